@@ -1,0 +1,388 @@
+"""Linear-attention kernels side by side: retrofit vs flash-linear-attention (fla) vs torch SDPA (flash).
+
+One run, same inputs for every implementation: H=32, K=V=128, bf16 (fp32 gates and state).
+
+- chunk forward, GDN and KDA, at (B=1, T=16384) and (B=4, T=8192)
+- chunk forward + backward, GDN and KDA, at (B=1, T=16384)
+- recurrent decode step (T=1, state updated), GDN and KDA, at B=1 and B=64, plain launch and CUDA graph
+- torch SDPA causal (flash backend) forward at T=16384 and 65536, and at the chunk shapes
+
+Usage (GPU machine; fla wheels on PYTHONPATH, or it measures ours + SDPA only)::
+
+    python benchmarks/linear_kernels.py --json $OUT/linear.json            # timings
+    python benchmarks/linear_kernels.py --check --json $OUT/check.json     # bf16 outputs ours vs fla (rel RMS)
+    python benchmarks/linear_kernels.py --tune-decode                      # recurrent block-size sweep
+
+Timing: ``triton.testing.do_bench`` (warm-up, then the median of CUDA-event timed calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+H, K, V = 32, 128, 128
+DTYPE = torch.bfloat16
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    tokens: int  # tokens processed per call (B*T, or B for a decode step)
+    ours_ms: float | None = None
+    fla_ms: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        """fla time / our time (> 1: ours is faster)."""
+        if self.ours_ms is None or self.fla_ms is None:
+            return None
+        return self.fla_ms / self.ours_ms
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.ours_ms is None else self.tokens / (self.ours_ms / 1e3)
+
+
+def load_fla():
+    """fla's ops as a dict, or (None, reason) when fla is not importable."""
+    try:
+        import fla  # noqa: F401
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as error:  # any import failure means "measure without fla"; the reason is printed
+        return None, f"{type(error).__name__}: {error}"
+    ops = {
+        "chunk_gdn": chunk_gated_delta_rule,
+        "chunk_kda": chunk_kda,
+        "recurrent_gdn": fused_recurrent_gated_delta_rule,
+        "recurrent_kda": fused_recurrent_kda,
+    }
+    return ops, getattr(fla, "__version__", "unknown")
+
+
+def load_ours():
+    from retrofit.kernels import fused_recurrent_gated_delta_rule, fused_recurrent_kda
+    ops = {"recurrent_gdn": fused_recurrent_gated_delta_rule, "recurrent_kda": fused_recurrent_kda}
+    try:
+        from retrofit.kernels import chunk_gated_delta_rule, chunk_kda
+        ops["chunk_gdn"], ops["chunk_kda"] = chunk_gated_delta_rule, chunk_kda
+    except ImportError as error:
+        print(f"our chunk kernels are not importable ({error}); chunk rows measure fla only")
+    return ops
+
+
+def make_inputs(B: int, T: int, kda: bool, requires_grad: bool = False, seed: int = 0):
+    """q, k (L2-normalised), v in bf16; g (log decay, fp32; per key channel for KDA, clamped at -5), beta (bf16)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    def randn(*shape, dtype=DTYPE):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    q = randn(B, T, H, K)
+    k = F.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).to(DTYPE)
+    v = randn(B, T, H, V)
+    g_shape = (B, T, H, K) if kda else (B, T, H)
+    # slow decays, as in converted layers (log decay between about -0.7 and -0.002), never below -5
+    g = F.logsigmoid(randn(*g_shape, dtype=torch.float32) + 4.0).clamp_min(-5.0)
+    beta = torch.sigmoid(randn(B, T, H, dtype=torch.float32)).to(DTYPE)
+    tensors = [q, k, v, g, beta]
+    if requires_grad:
+        for t in tensors:
+            t.requires_grad_(True)
+    return tensors
+
+
+def bench(fn) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def try_bench(fn) -> tuple[float | None, str]:
+    """(median ms, "") or (None, "refused: <message>") when the implementation raises."""
+    try:
+        return bench(fn), ""
+    except Exception as error:  # report, don't crash: e.g. fla's GDN backward on some triton/Hopper pairs
+        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        torch.cuda.synchronize()
+        return None, f"refused: {type(error).__name__}: {message}"
+
+
+def chunk_rows(ours, fla, rows: list[Row]) -> None:
+    scale = K ** -0.5
+    for kind in ("gdn", "kda"):
+        for B, T in ((1, 16384), (4, 8192)):
+            q, k, v, g, beta = make_inputs(B, T, kind == "kda")
+            row = Row(f"{kind} chunk fwd", f"B={B} T={T}", B * T)
+            notes = []
+            for who, ops, attr in (("ours", ours, "ours_ms"), ("fla", fla, "fla_ms")):
+                if ops is None or f"chunk_{kind}" not in ops:
+                    continue
+                op = ops[f"chunk_{kind}"]
+                with torch.no_grad():
+                    ms, note = try_bench(lambda: op(q, k, v, g, beta, scale=scale, output_final_state=True))
+                setattr(row, attr, ms)
+                if note:
+                    notes.append(f"{who} {note}")
+            row.note = "; ".join(notes)
+            rows.append(row)
+            print_row(row)
+            del q, k, v, g, beta
+        B, T = 1, 16384
+        q, k, v, g, beta = make_inputs(B, T, kind == "kda", requires_grad=True)
+        do = torch.randn(B, T, H, V, device="cuda", dtype=DTYPE)
+        row = Row(f"{kind} chunk fwd+bwd", f"B={B} T={T}", B * T)
+        notes = []
+        for who, ops, attr in (("ours", ours, "ours_ms"), ("fla", fla, "fla_ms")):
+            if ops is None or f"chunk_{kind}" not in ops:
+                continue
+            op = ops[f"chunk_{kind}"]
+            def step():
+                for t in (q, k, v, g, beta):
+                    t.grad = None
+                o, _ = op(q, k, v, g, beta, scale=scale)
+                o.backward(do)
+            ms, note = try_bench(step)
+            setattr(row, attr, ms)
+            if note:
+                notes.append(f"{who} {note}")
+        row.note = "; ".join(notes)
+        rows.append(row)
+        print_row(row)
+        del q, k, v, g, beta, do
+        torch.cuda.empty_cache()
+
+
+def capture(fn):
+    """A CUDA graph of ``fn()`` (warmed up eagerly first); returns the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def decode_rows(ours, fla, rows: list[Row]) -> None:
+    from retrofit.kernels import RecurrentDecodeGraph
+    scale = K ** -0.5
+    for kind in ("gdn", "kda"):
+        for B in (1, 64):
+            q, k, v, g, beta = make_inputs(B, 1, kind == "kda", seed=1)
+            state = torch.randn(B, H, K, V, device="cuda", dtype=torch.float32) * 0.1
+            ours_op = ours[f"recurrent_{kind}"]
+            plain = Row(f"{kind} decode step", f"B={B}", B)
+            plain.ours_ms, note = try_bench(lambda: ours_op(q, k, v, g, beta, scale=scale, initial_state=state,
+                                                            inplace_state=True))
+            notes = [f"ours {note}"] if note else []
+            graphed = Row(f"{kind} decode step (CUDA graph)", f"B={B}", B)
+            try:
+                step = RecurrentDecodeGraph(state, per_key_decay=kind == "kda", dtype=DTYPE, scale=scale)
+                step(q, k, v, g, beta)
+                graphed.ours_ms = bench(step.replay)
+            except Exception as error:
+                graphed.note = f"ours refused: {type(error).__name__}: {error}"[:200]
+            if fla is not None:
+                fla_op = fla[f"recurrent_{kind}"]
+                fla_state = state.clone()
+                def fla_step():
+                    return fla_op(q, k, v, g, beta, scale=scale, initial_state=fla_state, output_final_state=True)
+                plain.fla_ms, note = try_bench(fla_step)
+                if note:
+                    notes.append(f"fla {note}")
+                try:
+                    graph = capture(fla_step)
+                    graphed.fla_ms = bench(graph.replay)
+                except Exception as error:
+                    graphed.note = (graphed.note + f"; fla graph refused: {type(error).__name__}: {error}")[:300]
+            plain.note = "; ".join(notes)
+            for row in (plain, graphed):
+                rows.append(row)
+                print_row(row)
+
+
+def sdpa_rows(rows: list[Row]) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for B, T, backward in ((1, 16384, False), (4, 8192, False), (1, 65536, False), (1, 16384, True)):
+        q, k, v = (torch.randn(B, H, T, K, device="cuda", dtype=DTYPE, requires_grad=backward) for _ in range(3))
+        row = Row("sdpa causal fwd+bwd (torch flash)" if backward else "sdpa causal fwd (torch flash)",
+                  f"B={B} T={T}", B * T)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if backward:
+                do = torch.randn_like(q)
+                def step():
+                    for t in (q, k, v):
+                        t.grad = None
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+                row.ours_ms, row.note = try_bench(step)
+            else:
+                with torch.no_grad():
+                    row.ours_ms, row.note = try_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        row.note = ("(torch SDPA in the 'ours' column) " + row.note).strip()
+        rows.append(row)
+        print_row(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b||_rms / ||b||_rms in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def check(ours, fla) -> dict:
+    """Our bf16 outputs vs fla's on the same inputs: rel RMS per output (and per gradient for the chunk forms)."""
+    results: dict[str, dict[str, float | str]] = {}
+    scale = K ** -0.5
+    B, T = 2, 4096
+    for kind in ("gdn", "kda"):
+        name = f"chunk_{kind}"
+        if name in ours:
+            q, k, v, g, beta = make_inputs(B, T, kind == "kda", requires_grad=True, seed=2)
+            h0 = torch.randn(B, H, K, V, device="cuda") * 0.1
+            do = torch.randn(B, T, H, V, device="cuda", dtype=DTYPE)
+            outs = {}
+            for who, ops in (("ours", ours), ("fla", fla)):
+                try:
+                    o, ht = ops[name](q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+                    grads = torch.autograd.grad(o, (q, k, v, g, beta), do)
+                    outs[who] = {"o": o.detach(), "state": ht.detach(),
+                                 **{f"d{n}": t for n, t in zip(("q", "k", "v", "g", "beta"), grads)}}
+                except Exception as error:
+                    outs[who] = f"refused: {type(error).__name__}: {error}"[:200]
+            results[name] = compare(outs)
+        name = f"recurrent_{kind}"
+        q, k, v, g, beta = make_inputs(B, 64, kind == "kda", seed=3)
+        h0 = torch.randn(B, H, K, V, device="cuda") * 0.1
+        outs = {}
+        for who, ops in (("ours", ours), ("fla", fla)):
+            try:
+                o, ht = ops[name](q, k, v, g, beta, scale=scale, initial_state=h0.clone(), output_final_state=True)
+                outs[who] = {"o": o, "state": ht}
+            except Exception as error:
+                outs[who] = f"refused: {type(error).__name__}: {error}"[:200]
+        results[name] = compare(outs)
+    for name, metrics in results.items():
+        print(f"check {name}: " + ", ".join(f"{m}={v:.2e}" if isinstance(v, float) else f"{m}: {v}"
+                                            for m, v in metrics.items()))
+    return results
+
+
+def compare(outs: dict) -> dict:
+    ours, theirs = outs.get("ours"), outs.get("fla")
+    if isinstance(ours, str) or isinstance(theirs, str):
+        return {"ours": ours if isinstance(ours, str) else "ok", "fla": theirs if isinstance(theirs, str) else "ok"}
+    return {name: rel_rms(ours[name], theirs[name]) for name in ours}
+
+
+def tune_decode() -> None:
+    """Sweep the recurrent kernel's V block and warps for the decode step (prints median us)."""
+    import triton
+    from retrofit.kernels.gated_delta_rule.fused_recurrent import recurrent_delta_rule_kernel
+    for kind in ("gdn", "kda"):
+        for B in (1, 64):
+            q, k, v, g, beta = make_inputs(B, 1, kind == "kda", seed=1)
+            state = torch.randn(B, H, K, V, device="cuda") * 0.1
+            o = torch.empty_like(v)
+            for BV in (8, 16, 32, 64):
+                for num_warps in (1, 2, 4, 8):
+                    grid = (triton.cdiv(V, BV), B * H)
+                    def launch():
+                        recurrent_delta_rule_kernel[grid](
+                            q, k, v, g, beta, o, state, state, K ** -0.5, 1, H=H, GROUP=1, K=K, V=V,
+                            BK=K, BV=BV, PER_KEY_DECAY=kind == "kda", USE_INITIAL_STATE=True,
+                            STORE_FINAL_STATE=True, num_warps=num_warps)
+                    try:
+                        graph = capture(launch)
+                        print(f"tune {kind} B={B} BV={BV} warps={num_warps}: {bench(graph.replay) * 1e3:.1f} us")
+                    except Exception as error:
+                        print(f"tune {kind} B={B} BV={BV} warps={num_warps}: failed {type(error).__name__}")
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def print_row(row: Row) -> None:
+    print(f"  {row.op:38s} {row.shape:16s} ours {fmt(row.ours_ms, 4)} ms  fla {fmt(row.fla_ms, 4)} ms  {row.note}",
+          flush=True)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| op | shape | ours ms | fla ms | fla/ours | tokens/s (ours) | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        tps = "-" if row.tokens_per_s is None else f"{row.tokens_per_s / 1e6:.2f} M"
+        lines.append(f"| {row.op} | {row.shape} | {fmt(row.ours_ms, 4)} | {fmt(row.fla_ms, 4)} | "
+                     f"{fmt(row.ratio, 2)} | {tps} | {row.note} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    parser.add_argument("--check", action="store_true", help="compare our bf16 outputs with fla's (rel RMS) instead of timing")
+    parser.add_argument("--tune-decode", action="store_true", help="sweep the recurrent kernel's block sizes")
+    parser.add_argument("--only", choices=["chunk", "decode", "sdpa"], action="append",
+                        help="run only these groups (repeatable); default all")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("linear_kernels.py needs a CUDA GPU")
+        return 2
+    import triton
+    fla, fla_info = load_fla()
+    fla_version = fla_info if fla is not None else None
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"fla: {fla_info}" if fla is not None else f"fla not importable ({fla_info}): measuring ours + SDPA only")
+    ours = load_ours()
+    payload: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                     "fla": fla_version, "shape": {"H": H, "K": K, "V": V, "dtype": "bfloat16"}}
+    if args.tune_decode:
+        tune_decode()
+        return 0
+    if args.check:
+        if fla is None:
+            print("--check needs fla")
+            return 2
+        payload["check"] = check(ours, fla)
+    else:
+        groups = args.only or ["chunk", "decode", "sdpa"]
+        rows: list[Row] = []
+        if "chunk" in groups:
+            chunk_rows(ours, fla, rows)
+        if "decode" in groups:
+            decode_rows(ours, fla, rows)
+        if "sdpa" in groups:
+            sdpa_rows(rows)
+        table = markdown(rows)
+        print()
+        print(table)
+        payload["rows"] = [{**asdict(r), "ratio_fla_over_ours": r.ratio, "tokens_per_s": r.tokens_per_s} for r in rows]
+        payload["markdown"] = table
+    if args.json:
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

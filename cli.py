@@ -1,0 +1,87 @@
+"""The `retrofit` command line: convert, generate, eval, bench, inspect, ... (installed as ``retrofit.commands.cli``)."""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from retrofit.errors import RetrofitError
+
+MODEL_HELP = "A local model directory, a .gguf file, a hub id (org/name), or the alias smollm2-135m."
+
+
+class RetrofitGroup(click.Group):
+    """Turns :class:`RetrofitError` into one line on stderr and exit code 2 (click's own usage errors do the same)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RetrofitError as err:
+            click.echo(f"retrofit: error: {err}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=RetrofitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="retrofit")
+def main() -> None:
+    """Make long context cheap for a pretrained dense causal LM: convert it to a hybrid, patch it with sparse
+    decoding, and measure what that cost and bought against the dense model.
+
+    \b
+    Examples:
+      retrofit inspect smollm2-135m
+      retrofit generate smollm2-135m --chat --prompt "What is the capital of France?"
+    """
+
+
+def model_options(command):
+    command = click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")(command)
+    command = click.option("--dtype", default="float32", show_default=True,
+                           help="float32, bfloat16 or float16 (the dtype the weights are loaded in).")(command)
+    return command
+
+
+@main.command(help="Print MODEL's layers, attention type per layer, heads, KV heads, head dim, parameters and "
+                   "KV-cache bytes per token at the model's dtype.\n\nMODEL: " + MODEL_HELP,
+              short_help="Show a model's attention layout and KV-cache cost.")
+@click.argument("model")
+@model_options
+def inspect(model: str, device: str, dtype: str) -> None:
+    from retrofit.inspect import describe
+    from retrofit.load import load
+
+    loaded, _ = load(model, dtype=dtype, device=device)
+    click.echo(describe(loaded, name=model))
+
+
+@main.command(help="Generate from MODEL, streaming tokens to stdout; tokens/s on stderr at the end.\n\nMODEL: "
+                   + MODEL_HELP + "\n\n\b\nExample:\n  retrofit generate smollm2-135m --chat --prompt "
+                   "\"What is the capital of France?\"",
+              short_help="Generate text (dense, hybrid or sparse decoding).")
+@click.argument("model")
+@click.option("--prompt", required=True, help="The text to continue (or the user message with --chat).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0 decodes greedily.")
+@model_options
+def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, device: str,
+             dtype: str) -> None:
+    from retrofit.generation import stream_generate
+    from retrofit.load import load
+
+    loaded, tokenizer = load(model, dtype=dtype, device=device)
+    started = time.perf_counter()
+    new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, out=sys.stdout)
+    seconds = time.perf_counter() - started
+    click.echo(f"\n[{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s]", err=True)
+
+
+# Commands that live beside their feature register here, once they work.
+from retrofit.eval.command import eval_command  # noqa: E402  (engineer E: eval)
+from retrofit.bench.command import bench_command  # noqa: E402  (engineer E: bench)
+
+main.add_command(eval_command)
+main.add_command(bench_command)

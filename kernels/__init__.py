@@ -1,0 +1,29 @@
+"""retrofit's Triton kernels, importable as ``retrofit.kernels``.
+
+Each op lives in its own folder with a pure-PyTorch reference beside the fast path; both are exported here.
+This package imports nothing from the rest of ``retrofit``.
+
+- ``chunk_gated_delta_rule`` / ``chunk_kda``: chunked form (training, prefill), differentiable.
+- ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda``: recurrent form (decode), inference only;
+  ``RecurrentDecodeGraph`` captures one decode step in a CUDA graph.
+- ``causal_conv1d`` (prefill, differentiable) / ``causal_conv1d_update`` (decode): short causal depthwise conv.
+- ``naive_*``: the pure-PyTorch references the kernels are tested against.
+"""
+
+from retrofit.kernels.conv import causal_conv1d, causal_conv1d_update, naive_causal_conv1d, naive_causal_conv1d_update
+from retrofit.kernels.gated_delta_rule.decode_graph import RecurrentDecodeGraph
+from retrofit.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule
+from retrofit.kernels.kda.fused_recurrent import fused_recurrent_kda
+
+__all__ = [
+    "RecurrentDecodeGraph",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_kda",
+    "naive_causal_conv1d",
+    "naive_causal_conv1d_update",
+]
+
+# TODO(K2): export chunk_gated_delta_rule, chunk_kda and the naive_* GDN/KDA references once K1's
+# chunk.py / reference.py modules land.

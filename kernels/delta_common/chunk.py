@@ -1,0 +1,782 @@
+"""Chunked Triton kernels of the gated delta rule: GDN (scalar decay, PER_CHANNEL=False) and KDA
+(per-channel decay, PER_CHANNEL=True), forward and backward.
+
+Math: shared/design/gated_delta_rule.md. Per chunk of BT rows with state S entering it, G = cumsum(g)
+inside the chunk (fp32), and the decayed products (scalar decay: E_ij = exp(G_i - G_j); KDA: per channel)
+    M_ij = sum_c k_ic k_jc E_ijc   (j < i)          A = diag(beta) M
+    P_ij = sum_c q_ic k_jc E_ijc   (j <= i)
+    T = (I + A)^-1,  W = T (beta exp(G) k),  U = T (beta v)
+    V' = U - W S
+    O = scale [ (q exp(G)) S + P V' ]
+    S <- exp(G_last) S + (k exp(G_last - G))^T V'
+Only differences G_i - G_j with j <= i (and G_last - G_i) are ever exponentiated. For KDA the
+per-channel products are formed per sub-chunk of BC rows against a reference row of G inside the
+sub-chunk (both factors then have non-positive exponents); the BC x BC diagonal blocks are formed
+column by column.
+
+Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query heads):
+  forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT*NS, bh] -> _solve_wy [NT, bh]
+            -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
+  backward: recompute the forward up to _state_fwd (keeping T, h, V'), then
+            _dv_local [V/BV, NT, bh] -> _state_bwd [V/BV, bh] (reverse over chunks)
+            -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [NT*NS, bh]
+            -> _rev_cumsum [NT, bh] (dg from dG)
+Intermediates live in padded buffers [B, H, NT*BT, ...] (fp32); padded rows have k = v = q = beta = 0
+and g = 0, which makes them exact no-ops.
+
+Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tunable launch constants (Hopper defaults).
+CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
+SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
+BLOCK_V = 64        # BV: value-dimension block of the state kernels
+NUM_WARPS = 4
+NUM_STAGES = 2
+# tl.dot input precision for float32 operands: inputs in float32 use exact ("ieee") products;
+# for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
+FP32_INPUT_DOT_PRECISION = "ieee"
+LOW_PRECISION_INPUT_DOT_PRECISION = "tf32"
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_t * BT + tl.arange(0, BT)
+    rmask = rows < T
+    if PER_CHANNEL:
+        ck = tl.arange(0, K)
+        x = tl.load(g + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.)
+        G = tl.cumsum(x.to(tl.float32), axis=0)
+        tl.store(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :], G)
+    else:
+        x = tl.load(g + (i_b * T + rows) * H + i_h, mask=rmask, other=0.)
+        G = tl.cumsum(x.to(tl.float32), axis=0)
+        tl.store(Gc + i_bh * Tp + rows, G)
+
+
+@triton.jit
+def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      STORE_P: tl.constexpr, PREC: tl.constexpr):
+    """Rows [r0, r0 + BC) of M (strict) and P (inclusive, every query head of the group), KDA."""
+    NS: tl.constexpr = BT // BC
+    i_tc = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    i_t, i_i = i_tc // NS, i_tc % NS
+    t0 = i_t * BT
+    r0 = t0 + i_i * BC
+    ri = r0 + tl.arange(0, BC)
+    ra = t0 + tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    Gb = Gc + i_bh * Tp * K
+    G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+    G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+    g_r = tl.load(Gb + r0 * K + ck)
+    k_i = tl.load(k + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :], mask=(ri < T)[:, None], other=0.).to(tl.float32)
+    k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ck[None, :], mask=(ra < T)[:, None], other=0.).to(tl.float32)
+    jm = (ra < r0)[:, None]
+    k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
+    e_i = tl.exp(G_i - g_r[None, :])
+    m = tl.dot(k_i * e_i, tl.trans(k_r), input_precision=PREC)
+    for jj in range(BC):
+        j = r0 + jj
+        k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
+        g_j = tl.load(Gb + j * K + ck)
+        sm = (ri > j)[:, None]
+        col = tl.sum(tl.where(sm, k_i * k_j[None, :] * tl.exp(tl.where(sm, G_i - g_j[None, :], 0.)), 0.), 1)
+        m = tl.where(ra[None, :] == j, col[:, None], m)
+    tl.store(M + (i_bh * Tp + ri[:, None]) * BT + tl.arange(0, BT)[None, :], m)
+    if STORE_P:
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            q_i = tl.load(q + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :], mask=(ri < T)[:, None], other=0.).to(tl.float32)
+            p = tl.dot(q_i * e_i, tl.trans(k_r), input_precision=PREC)
+            for jj in range(BC):
+                j = r0 + jj
+                k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
+                g_j = tl.load(Gb + j * K + ck)
+                cm = (ri >= j)[:, None]
+                col = tl.sum(tl.where(cm, q_i * k_j[None, :] * tl.exp(tl.where(cm, G_i - g_j[None, :], 0.)), 0.), 1)
+                p = tl.where(ra[None, :] == j, col[:, None], p)
+            tl.store(P + ((i_b * Hq + i_hq) * Tp + ri[:, None]) * BT + tl.arange(0, BT)[None, :], p)
+
+
+@triton.jit
+def _gdn_decay(G, STRICT: tl.constexpr, BT: tl.constexpr):
+    """E_ij = exp(G_i - G_j) on j < i (STRICT) or j <= i, 0 elsewhere; never exponentiates a positive number."""
+    o = tl.arange(0, BT)
+    if STRICT:
+        msk = o[:, None] > o[None, :]
+    else:
+        msk = o[:, None] >= o[None, :]
+    return tl.where(msk, tl.exp(tl.where(msk, G[:, None] - G[None, :], 0.)), 0.)
+
+
+@triton.jit
+def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, T, Tp, H, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, STORE_T: tl.constexpr,
+                     PREC: tl.constexpr):
+    """T = (I + diag(beta) M)^-1 by forward substitution; W = T (beta exp(G) k); U = T (beta v)."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    ck = tl.arange(0, K)
+    k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+    b_c = tl.load(beta + (i_b * T + rows) * H + i_h, mask=rmask, other=0.).to(tl.float32)
+    if PER_CHANNEL:
+        G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        m = tl.load(M + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
+        eg = tl.exp(G)
+    else:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        m = tl.dot(k_c, tl.trans(k_c), input_precision=PREC) * _gdn_decay(G, True, BT)
+        eg = tl.exp(G)[:, None]
+    a = b_c[:, None] * m
+    tm = tl.where(o[:, None] == o[None, :], 1., 0.)
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(o[:, None] == i, a, 0.), 0)
+        t_i = tl.sum(a_i[:, None] * tm, 0)
+        tm = tl.where(o[:, None] == i, tm - t_i[None, :], tm)
+    if STORE_T:
+        tl.store(Tinv + (i_bh * Tp + rows[:, None]) * BT + o[None, :], tm)
+    w = tl.dot(tm, b_c[:, None] * eg * k_c, input_precision=PREC)
+    tl.store(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :], w)
+    for i_v in range(0, V, BV):
+        cv = i_v + tl.arange(0, BV)
+        v_c = tl.load(v + ((i_b * T + rows[:, None]) * H + i_h) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        u = tl.dot(tm, b_c[:, None] * v_c, input_precision=PREC)
+        tl.store(U + (i_bh * Tp + rows[:, None]) * V + cv[None, :], u)
+
+
+@triton.jit
+def _state_fwd_kernel(k, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Sequential pass over chunks for one (batch, kv head, V block): stores the state entering each
+    chunk (Hs) and the pseudo-values V' = U - W S; writes the final state."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    if HAS_H0:
+        s = tl.load(h0 + (i_bh * K + ck[:, None]) * V + cv[None, :]).to(tl.float32)
+    else:
+        s = tl.zeros([K, BV], dtype=tl.float32)
+    for i_t in range(NT):
+        rows = i_t * BT + o
+        rmask = rows < T
+        tl.store(Hs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :], s)
+        w = tl.load(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        u = tl.load(U + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        vp = u - tl.dot(w, s, input_precision=PREC)
+        tl.store(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :], vp)
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        last = i_t * BT + BT - 1
+        if PER_CHANNEL:
+            G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+            gl = tl.load(Gc + (i_bh * Tp + last) * K + ck)
+            kd = k_c * tl.exp(gl[None, :] - G)
+            s = s * tl.exp(gl)[:, None]
+        else:
+            G = tl.load(Gc + i_bh * Tp + rows)
+            gl = tl.load(Gc + i_bh * Tp + last)
+            kd = k_c * tl.exp(gl - G)[:, None]
+            s = s * tl.exp(gl)
+        s += tl.dot(tl.trans(kd), vp, input_precision=PREC)
+    tl.store(hT + (i_bh * K + ck[:, None]) * V + cv[None, :], s)
+
+
+@triton.jit
+def _output_kernel(q, k, Gc, P, Hs, Vp, o_ptr, scale, T, Tp, NT, H, NG, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """O = scale [ (q exp(G)) S + P V' ] for one (V block, chunk, batch * query head)."""
+    i_v, i_t = tl.program_id(0), tl.program_id(1)
+    i_bhq = tl.program_id(2).to(tl.int64)
+    Hq = H * NG
+    i_b, i_hq = i_bhq // Hq, i_bhq % Hq
+    i_h = i_hq // NG
+    i_bh = i_b * H + i_h
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+    s = tl.load(Hs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :])
+    if PER_CHANNEL:
+        G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        qe = q_c * tl.exp(G)
+        p = tl.load(P + (i_bhq * Tp + rows[:, None]) * BT + o[None, :])
+    else:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        qe = q_c * tl.exp(G)[:, None]
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        p = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * _gdn_decay(G, False, BT)
+    vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+    acc = tl.dot(qe, s, input_precision=PREC) + tl.dot(p, vp, input_precision=PREC)
+    tl.store(o_ptr + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :],
+             (scale * acc).to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """dV'_local = scale * sum over the group's query heads of P^T dO."""
+    i_v, i_t = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    if not PER_CHANNEL:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        dec = _gdn_decay(G, False, BT)
+    for iq in range(NG):
+        i_hq = i_h * NG + iq
+        if PER_CHANNEL:
+            p = tl.load(P + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :])
+        else:
+            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            p = tl.dot(q_c, tl.trans(k_c), input_precision=PREC) * dec
+        do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        acc += tl.dot(tl.trans(p), do_c, input_precision=PREC)
+    tl.store(dVl + (i_bh * Tp + rows[:, None]) * V + cv[None, :], scale * acc)
+
+
+@triton.jit
+def _state_bwd_kernel(q, k, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T, Tp, NT, H, NG, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                      HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """Reverse pass over chunks: dHs[c] = gradient of the state leaving chunk c,
+    dV' = dV'_local + (k exp(G_last - G)) dS', dS <- exp(G_last) dS' + scale (q exp(G))^T dO - W^T dV'."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    o = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    if HAS_DHT:
+        dh = tl.load(dhT + (i_bh * K + ck[:, None]) * V + cv[None, :]).to(tl.float32)
+    else:
+        dh = tl.zeros([K, BV], dtype=tl.float32)
+    for it in range(NT):
+        i_t = NT - 1 - it
+        rows = i_t * BT + o
+        rmask = rows < T
+        tl.store(dHs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :], dh)
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        last = i_t * BT + BT - 1
+        if PER_CHANNEL:
+            G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+            gl = tl.load(Gc + (i_bh * Tp + last) * K + ck)
+            kd = k_c * tl.exp(gl[None, :] - G)
+            eg = tl.exp(G)
+        else:
+            G = tl.load(Gc + i_bh * Tp + rows)
+            gl = tl.load(Gc + i_bh * Tp + last)
+            kd = k_c * tl.exp(gl - G)[:, None]
+            eg = tl.exp(G)[:, None]
+        dvp = tl.load(dVl + (i_bh * Tp + rows[:, None]) * V + cv[None, :]) + tl.dot(kd, dh, input_precision=PREC)
+        tl.store(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :], dvp)
+        qdo = tl.zeros([K, BV], dtype=tl.float32)
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            qdo += tl.dot(tl.trans(q_c * eg), do_c, input_precision=PREC)
+        w = tl.load(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        if PER_CHANNEL:
+            dh = dh * tl.exp(gl)[:, None]
+        else:
+            dh = dh * tl.exp(gl)
+        dh += scale * qdo - tl.dot(tl.trans(w), dvp, input_precision=PREC)
+    tl.store(dh0 + (i_bh * K + ck[:, None]) * V + cv[None, :], dh)
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, Gc, Hs, dHs, Vp, dVp, do, dq, dk, dW, dG, dP, scale, T, Tp, NT, H, NG,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                    PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk: dW = -dV' S^T; the state-path parts of dq, dk, dG; dP (stored for KDA, consumed here for GDN)."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    ck = tl.arange(0, K)
+    hbase = (i_bh * NT + i_t) * K
+    k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+    # dW = -dV' S^T
+    dw = tl.zeros([BT, K], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        cv = i_v + tl.arange(0, BV)
+        hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :])
+        dvp = tl.load(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        dw -= tl.dot(dvp, tl.trans(hb), input_precision=PREC)
+    tl.store(dW + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dw)
+    # state update: dKd = V' dS'^T, d exp(G_last) = sum_v S dS'
+    dkd = tl.zeros([BT, K], dtype=tl.float32)
+    dd = tl.zeros([K], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        cv = i_v + tl.arange(0, BV)
+        hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :])
+        dhb = tl.load(dHs + (hbase + ck[:, None]) * V + cv[None, :])
+        vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        dkd += tl.dot(vp, tl.trans(dhb), input_precision=PREC)
+        dd += tl.sum(hb * dhb, 1)
+    last = i_t * BT + BT - 1
+    if PER_CHANNEL:
+        G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        gl = tl.load(Gc + (i_bh * Tp + last) * K + ck)
+        dk_acc = dkd * tl.exp(gl[None, :] - G)
+        dg_acc = -k_c * dk_acc
+        last_add = tl.sum(k_c * dk_acc, 0) + tl.exp(gl) * dd
+        dg_acc = tl.where(o[:, None] == BT - 1, dg_acc + last_add[None, :], dg_acc)
+        eg = tl.exp(G)
+    else:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        gl = tl.load(Gc + i_bh * Tp + last)
+        dk_acc = dkd * tl.exp(gl - G)[:, None]
+        dg_acc = -tl.sum(k_c * dk_acc, 1)
+        last_add = tl.sum(tl.sum(k_c * dk_acc, 1), 0) + tl.exp(gl) * tl.sum(dd, 0)
+        dg_acc = tl.where(o == BT - 1, dg_acc + last_add, dg_acc)
+        eg = tl.exp(G)[:, None]
+        dec = _gdn_decay(G, False, BT)
+        dkb = tl.zeros([BT, K], dtype=tl.float32)
+    causal = o[:, None] >= o[None, :]
+    for iq in range(NG):
+        i_hq = i_h * NG + iq
+        q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        dqs = tl.zeros([BT, K], dtype=tl.float32)
+        dp = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(0, V, BV):
+            cv = i_v + tl.arange(0, BV)
+            hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :])
+            vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+            do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            dqs += tl.dot(do_c, tl.trans(hb), input_precision=PREC)
+            dp += tl.dot(do_c, tl.trans(vp), input_precision=PREC)
+        dqs = scale * dqs * eg
+        dp = tl.where(causal, scale * dp, 0.)
+        if PER_CHANNEL:
+            dg_acc += q_c * dqs
+            tl.store(dP + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :], dp)
+            dq_c = dqs
+        else:
+            dpg = dp * dec
+            dqb = tl.dot(dpg, k_c, input_precision=PREC)
+            dkb += tl.dot(tl.trans(dpg), q_c, input_precision=PREC)
+            dg_acc += tl.sum(q_c * (dqs + dqb), 1)
+            dq_c = dqs + dqb
+        tl.store(dq + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], dq_c, mask=rmask[:, None])
+    if PER_CHANNEL:
+        tl.store(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dg_acc)
+    else:
+        dk_acc += dkb
+        dg_acc -= tl.sum(k_c * dkb, 1)
+        tl.store(dG + i_bh * Tp + rows, dg_acc)
+    tl.store(dk + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], dk_acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, Tp, H,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """Backward of W = T (beta exp(G) k), U = T (beta v), T = (I + diag(beta) M)^-1."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    ck = tl.arange(0, K)
+    k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+    b_c = tl.load(beta + (i_b * T + rows) * H + i_h, mask=rmask, other=0.).to(tl.float32)
+    tm = tl.load(Tinv + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
+    dw = tl.load(dW + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+    if PER_CHANNEL:
+        G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        eg = tl.exp(G)
+    else:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        eg = tl.exp(G)[:, None]
+    kg = b_c[:, None] * eg * k_c
+    dkg = tl.dot(tl.trans(tm), dw, input_precision=PREC)
+    dt = tl.dot(dw, tl.trans(kg), input_precision=PREC)
+    db = tl.sum(eg * k_c * dkg, 1)
+    dk_acc = b_c[:, None] * eg * dkg
+    for i_v in range(0, V, BV):
+        cv = i_v + tl.arange(0, BV)
+        du = tl.load(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        v_c = tl.load(v + ((i_b * T + rows[:, None]) * H + i_h) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        dt += tl.dot(du, tl.trans(b_c[:, None] * v_c), input_precision=PREC)
+        dbv = tl.dot(tl.trans(tm), du, input_precision=PREC)
+        db += tl.sum(v_c * dbv, 1)
+        tl.store(dv + ((i_b * T + rows[:, None]) * H + i_h) * V + cv[None, :],
+                 (b_c[:, None] * dbv).to(dv.dtype.element_ty), mask=rmask[:, None])
+    strict = o[:, None] > o[None, :]
+    da = tl.dot(tl.dot(tl.trans(tm), dt, input_precision=PREC), tl.trans(tm), input_precision=PREC)
+    da = tl.where(strict, -da, 0.)
+    if PER_CHANNEL:
+        m = tl.load(M + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
+    else:
+        dec = _gdn_decay(G, True, BT)
+        m = tl.dot(k_c, tl.trans(k_c), input_precision=PREC) * dec
+    db += tl.sum(da * m, 1)
+    dm = b_c[:, None] * da
+    dk_prev = tl.load(dk + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.)
+    if PER_CHANNEL:
+        tl.store(dM + (i_bh * Tp + rows[:, None]) * BT + o[None, :], dm)
+        dg_add = k_c * dk_acc
+        dgp = tl.load(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        tl.store(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dgp + dg_add)
+    else:
+        dmg = dm * dec
+        dkr = tl.dot(dmg, k_c, input_precision=PREC)
+        dkc = tl.dot(tl.trans(dmg), k_c, input_precision=PREC)
+        dg_add = tl.sum(k_c * (dk_acc + dkr - dkc), 1)
+        dk_acc += dkr + dkc
+        dgp = tl.load(dG + i_bh * Tp + rows)
+        tl.store(dG + i_bh * Tp + rows, dgp + dg_add)
+    tl.store(dk + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], dk_prev + dk_acc, mask=rmask[:, None])
+    tl.store(dbeta + (i_b * T + rows) * H + i_h, db, mask=rmask)
+
+
+@triton.jit
+def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr, PREC: tl.constexpr):
+    """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP) for the rows
+    of one sub-chunk, both in their row role (i) and their column role (j)."""
+    NS: tl.constexpr = BT // BC
+    i_tc = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    i_t, i_i = i_tc // NS, i_tc % NS
+    t0 = i_t * BT
+    r0 = t0 + i_i * BC
+    r1 = r0 + BC - 1
+    ri = r0 + tl.arange(0, BC)
+    ra = t0 + tl.arange(0, BT)
+    lb = i_i * BC + tl.arange(0, BC)          # the block's columns, local to the chunk
+    la = tl.arange(0, BT)
+    imask = ri < T
+    ck = tl.arange(0, K)
+    Gb = Gc + i_bh * Tp * K
+    G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+    G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+    g_r = tl.load(Gb + r0 * K + ck)            # row-role reference: first row of the block
+    g_r1 = tl.load(Gb + r1 * K + ck)           # column-role reference: last row of the block
+    k_i = tl.load(k + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :], mask=imask[:, None], other=0.).to(tl.float32)
+    k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ck[None, :], mask=(ra < T)[:, None], other=0.).to(tl.float32)
+    jm = (ra < r0)[:, None]
+    im = (ra > r1)[:, None]
+    e_i = tl.exp(G_i - g_r[None, :])
+    e_c = tl.exp(g_r1[None, :] - G_i)
+    k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
+    k_c1 = tl.where(im, k_a * tl.exp(tl.where(im, G_a - g_r1[None, :], 0.)), 0.)
+    mb = dM + i_bh * Tp * BT
+    # ---- dM, row role: dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j)
+    dm_i = tl.load(mb + ri[:, None] * BT + la[None, :])
+    dkr = e_i * tl.dot(dm_i, k_r, input_precision=PREC)
+    # ---- dM, column role: dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
+    dm_c = tl.load(mb + ra[:, None] * BT + lb[None, :])
+    dkc = e_c * tl.dot(tl.trans(dm_c), k_c1, input_precision=PREC)
+    for jj in range(BC):
+        j = r0 + jj
+        k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
+        g_j = tl.load(Gb + j * K + ck)
+        # row role, column j of the block
+        dcol = tl.load(mb + ri * BT + (j - t0))
+        cm = (ri >= j)[:, None]
+        dkr += dcol[:, None] * k_j[None, :] * tl.exp(tl.where(cm, G_i - g_j[None, :], 0.))
+        # column role, row j (= i) of the block
+        drow = tl.load(mb + j * BT + lb)
+        rm = (ri <= j)[:, None]
+        dkc += drow[:, None] * k_j[None, :] * tl.exp(tl.where(rm, g_j[None, :] - G_i, 0.))
+    dk_add = dkr + dkc
+    dg_add = k_i * (dkr - dkc)
+    # ---- dP for every query head of the group
+    dkb = tl.zeros([BC, K], dtype=tl.float32)
+    for iq in range(NG):
+        i_hq = i_h * NG + iq
+        qoff = (i_b * T) * Hq + i_hq
+        pb = dP + (i_b * Hq + i_hq) * Tp * BT
+        q_i = tl.load(q + (qoff + ri[:, None] * Hq) * K + ck[None, :], mask=imask[:, None], other=0.).to(tl.float32)
+        q_a = tl.load(q + (qoff + ra[:, None] * Hq) * K + ck[None, :], mask=(ra < T)[:, None], other=0.).to(tl.float32)
+        q_c1 = tl.where(im, q_a * tl.exp(tl.where(im, G_a - g_r1[None, :], 0.)), 0.)
+        dp_i = tl.load(pb + ri[:, None] * BT + la[None, :])
+        dqb = e_i * tl.dot(dp_i, k_r, input_precision=PREC)
+        dp_c = tl.load(pb + ra[:, None] * BT + lb[None, :])
+        dkb += e_c * tl.dot(tl.trans(dp_c), q_c1, input_precision=PREC)
+        for jj in range(BC):
+            j = r0 + jj
+            k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
+            q_j = tl.load(q + (qoff + j * Hq) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
+            g_j = tl.load(Gb + j * K + ck)
+            dcol = tl.load(pb + ri * BT + (j - t0))
+            cm = (ri >= j)[:, None]
+            dqb += dcol[:, None] * k_j[None, :] * tl.exp(tl.where(cm, G_i - g_j[None, :], 0.))
+            drow = tl.load(pb + j * BT + lb)
+            rm = (ri <= j)[:, None]
+            dkb += drow[:, None] * q_j[None, :] * tl.exp(tl.where(rm, g_j[None, :] - G_i, 0.))
+        dq_ptr = dq + (qoff + ri[:, None] * Hq) * K + ck[None, :]
+        dq_prev = tl.load(dq_ptr, mask=imask[:, None], other=0.)
+        tl.store(dq_ptr, dq_prev + dqb, mask=imask[:, None])
+        dg_add += q_i * dqb
+    dk_add += dkb
+    dg_add -= k_i * dkb
+    dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
+    dk_prev = tl.load(dk_ptr, mask=imask[:, None], other=0.)
+    tl.store(dk_ptr, dk_prev + dk_add, mask=imask[:, None])
+    dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
+    tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
+
+
+@triton.jit
+def _rev_cumsum_kernel(dG, dg, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """dg_i = sum_{j >= i in the chunk} dG_j (G is the chunk-local cumulative sum of g)."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_t * BT + tl.arange(0, BT)
+    rmask = rows < T
+    if PER_CHANNEL:
+        ck = tl.arange(0, K)
+        x = tl.load(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        r = tl.sum(x, 0)[None, :] - tl.cumsum(x, axis=0) + x
+        tl.store(dg + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], r, mask=rmask[:, None])
+    else:
+        x = tl.load(dG + i_bh * Tp + rows)
+        r = tl.sum(x, 0) - tl.cumsum(x, axis=0) + x
+        tl.store(dg + (i_b * T + rows) * H + i_h, r, mask=rmask)
+
+
+# ----------------------------------------------------------------------------------------------
+# host functions
+# ----------------------------------------------------------------------------------------------
+
+def _prec(dtype):
+    return FP32_INPUT_DOT_PRECISION if dtype == torch.float32 else LOW_PRECISION_INPUT_DOT_PRECISION
+
+
+def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward):
+    """Everything up to the state pass. Returns a dict of intermediates."""
+    B, T, Hq, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    NG = Hq // H
+    BT, BC = CHUNK, SUB_CHUNK
+    BV = min(BLOCK_V, V)
+    NT = triton.cdiv(T, BT)
+    Tp = NT * BT
+    dev = q.device
+    f32 = torch.float32
+    prec = _prec(q.dtype)
+    kw = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    Gc = torch.empty(B, H, Tp, *((K,) if per_channel else ()), device=dev, dtype=f32)
+    _cumsum_kernel[(NT, B * H)](g, Gc, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, num_warps=NUM_WARPS)
+    M = P = None
+    if per_channel:
+        M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+        P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
+        _kda_intra_kernel[(NT * (BT // BC), B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                    STORE_P=True, PREC=prec, **kw)
+    Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if for_backward else None
+    W = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    U = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
+    _solve_wy_kernel[(NT, B * H)](k, v, beta, Gc, M if M is not None else Gc, Tinv if Tinv is not None else W, W, U,
+                                  T, Tp, H, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel,
+                                  STORE_T=for_backward, PREC=prec, **kw)
+    Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
+    Vp = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
+    hT = torch.empty(B, H, K, V, device=dev, dtype=f32)
+    h0 = initial_state if initial_state is not None else hT
+    _state_fwd_kernel[(V // BV, B * H)](k, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K=K, V=V, BT=BT, BV=BV,
+                                        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None,
+                                        PREC=prec, **kw)
+    return dict(Gc=Gc, M=M, P=P, Tinv=Tinv, W=W, Hs=Hs, Vp=Vp, hT=hT, NT=NT, Tp=Tp, BV=BV, prec=prec)
+
+
+def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel):
+    B, T, Hq, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward=False)
+    o = torch.empty(B, T, Hq, V, device=q.device, dtype=v.dtype)
+    BV, NT = c["BV"], c["NT"]
+    _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], c["P"] if per_channel else c["Gc"], c["Hs"], c["Vp"], o,
+                                          scale, T, c["Tp"], NT, H, Hq // H, K=K, V=V, BT=CHUNK, BV=BV,
+                                          PER_CHANNEL=per_channel, PREC=c["prec"],
+                                          num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return o, c["hT"]
+
+
+def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel):
+    """Returns fp32 (dq, dk, dv in v's dtype, dg, dbeta, dh0)."""
+    B, T, Hq, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    NG = Hq // H
+    BT, BC = CHUNK, SUB_CHUNK
+    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward=True)
+    BV, NT, Tp, prec = c["BV"], c["NT"], c["Tp"], c["prec"]
+    dev, f32 = q.device, torch.float32
+    kw = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    Gc = c["Gc"]
+    dVl = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
+    _dv_local_kernel[(V // BV, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, scale, T, Tp, H, NG,
+                                           K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel, PREC=prec, **kw)
+    dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
+    dVp = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
+    dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32)
+    _state_bwd_kernel[(V // BV, B * H)](q, k, Gc, c["W"], dVl, do, dHs, dVp, dhT if dhT is not None else dh0, dh0,
+                                        scale, T, Tp, NT, H, NG, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel,
+                                        HAS_DHT=dhT is not None, PREC=prec, **kw)
+    dq = torch.empty(B, T, Hq, K, device=dev, dtype=f32)
+    dk = torch.empty(B, T, H, K, device=dev, dtype=f32)
+    dW = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    dG = torch.empty(B, H, Tp, *((K,) if per_channel else ()), device=dev, dtype=f32)
+    dP = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32) if per_channel else dG
+    _bwd_dqk_kernel[(NT, B * H)](q, k, Gc, c["Hs"], dHs, c["Vp"], dVp, do, dq, dk, dW, dG, dP, scale, T, Tp, NT,
+                                 H, NG, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel, PREC=prec, **kw)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
+    dM = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if per_channel else dG
+    _bwd_wy_kernel[(NT, B * H)](k, v, beta, Gc, c["M"] if per_channel else Gc, c["Tinv"], dW, dVp, dk, dv, dbeta,
+                                dG, dM, T, Tp, H, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel,
+                                PREC=prec, **kw)
+    if per_channel:
+        _kda_intra_bwd_kernel[(NT * (BT // BC), B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT,
+                                                        BC=BC, PREC=prec, **kw)
+    dg = torch.empty(g.shape, device=dev, dtype=f32)
+    _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, num_warps=NUM_WARPS)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class ChunkDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, per_channel):
+        o, hT = chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale = scale
+        ctx.per_channel = per_channel
+        return o, hT
+
+    @staticmethod
+    def backward(ctx, do, dhT):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        do = do.contiguous()
+        if dhT is not None:
+            dhT = dhT.contiguous()
+        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, do, dhT, ctx.per_channel)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), None,
+                dh0.to(initial_state.dtype) if initial_state is not None else None, None)
+
+
+_ALLOWED_DIMS = (16, 32, 64, 128)
+_ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _validate(q, k, v, g, beta, initial_state, per_channel):
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims [B, T, Hq, K], got shape {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k: expected 4 dims [B, T, H, K], got shape {tuple(k.shape)}")
+    if v.dim() != 4:
+        raise ValueError(f"v: expected 4 dims [B, T, H, V], got shape {tuple(v.shape)}")
+    B, T, Hq, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    if tuple(k.shape) != (B, T, H, K):
+        raise ValueError(f"k: expected shape {(B, T, H, K)} (batch, time and key dim of q), got {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v: expected shape {(B, T, H)} + (V,), got {tuple(v.shape)}")
+    if H == 0 or Hq % H != 0:
+        raise ValueError(f"q: head count {Hq} must be a multiple of k's head count {H}")
+    if K not in _ALLOWED_DIMS:
+        raise ValueError(f"k: key dim {K} not supported (one of {_ALLOWED_DIMS})")
+    if V not in _ALLOWED_DIMS:
+        raise ValueError(f"v: value dim {V} not supported (one of {_ALLOWED_DIMS})")
+    gshape = (B, T, H, K) if per_channel else (B, T, H)
+    if tuple(g.shape) != gshape:
+        raise ValueError(f"g: expected shape {gshape}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta: expected shape {(B, T, H)}, got {tuple(beta.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.dtype not in _ALLOWED_DTYPES:
+            raise ValueError(f"{name}: dtype {x.dtype} not supported (float32, bfloat16 or float16)")
+        if x.device != q.device:
+            raise ValueError(f"{name}: on {x.device}, expected {q.device} like q")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: dtypes ({k.dtype}, {v.dtype}) must equal q's dtype {q.dtype}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise ValueError("initial_state: expected a torch.Tensor or None")
+        if tuple(initial_state.shape) != (B, H, K, V):
+            raise ValueError(f"initial_state: expected shape {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+        if initial_state.dtype not in _ALLOWED_DTYPES:
+            raise ValueError(f"initial_state: dtype {initial_state.dtype} not supported")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state: on {initial_state.device}, expected {q.device} like q")
+
+
+def _triton_usable(device):
+    import os
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def chunk_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     per_channel=False):
+    _validate(q, k, v, g, beta, initial_state, per_channel)
+    K = q.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    scale = float(scale)
+    if not _triton_usable(q.device):
+        # No GPU and no Triton interpreter: the float64 chunked specification (differentiable by autograd).
+        from .reference import naive_chunk
+        o, s = naive_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, per_channel=per_channel)
+        return o, (s.float() if s is not None else None)
+    if q.shape[1] == 0:
+        B, _, Hq, _ = q.shape
+        o = q.new_zeros(B, 0, Hq, v.shape[-1], dtype=v.dtype)
+        if output_final_state:
+            s = (initial_state.float().clone() if initial_state is not None
+                 else q.new_zeros(B, k.shape[2], K, v.shape[-1], dtype=torch.float32))
+            return o, s
+        return o, None
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    o, hT = ChunkDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, per_channel)
+    return o, (hT if output_final_state else None)

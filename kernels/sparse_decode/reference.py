@@ -1,0 +1,101 @@
+"""Pure-PyTorch references for the sparse-decode kernels (same math, no fusion).
+
+They define the semantics the Triton kernels in ``attention.py`` and ``scoring.py`` must match, and they are the
+CPU execution path (Triton runs on CPU only through its interpreter, far too slow for end-to-end generation).
+
+Conventions shared by every function here:
+
+- one decode token per sequence: ``q [B, Hq, D]``;
+- the cache ``k, v [B, Hkv, N, D]`` (``N`` is the buffer capacity, at least the valid length);
+- the valid key positions of row ``b`` are ``kv_start[b] <= pos < kv_end[b]`` (left padding is before ``kv_start``);
+- GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``; the ``G = Hq // Hkv`` heads of a group share one selection;
+- a selection is ``indices [B, Hkv, S]`` (int) of *blocks* of ``block_size`` consecutive positions (``block_size=1``:
+  single tokens; ``block_size=page_size``: Quest pages) with ``counts [B, Hkv]`` valid entries per row (ragged).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def selected_positions(
+    indices: torch.Tensor, counts: torch.Tensor, block_size: int, kv_start: torch.Tensor, kv_end: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand block indices to key positions.
+
+    indices [B, Hkv, S], counts [B, Hkv], kv_start/kv_end [B] -> (positions [B, Hkv, S*block_size] long,
+    valid [B, Hkv, S*block_size] bool). Invalid entries have position 0.
+    """
+    B, Hkv, S = indices.shape
+    offsets = torch.arange(block_size, device=indices.device)
+    positions = (indices.long()[..., None] * block_size + offsets).reshape(B, Hkv, S * block_size)
+    entry = torch.arange(S, device=indices.device).repeat_interleave(block_size)
+    valid = entry < counts.long()[..., None]
+    valid &= positions >= kv_start.long()[:, None, None]
+    valid &= positions < kv_end.long()[:, None, None]
+    return torch.where(valid, positions, torch.zeros_like(positions)), valid
+
+
+def sparse_decode_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    kv_start: torch.Tensor,
+    kv_end: torch.Tensor,
+    block_size: int = 1,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of one decode token over the selected positions only.
+
+    q [B, Hq, D], k/v [B, Hkv, N, D], indices [B, Hkv, S], counts [B, Hkv], kv_start/kv_end [B] -> o [B, Hq, D]
+    (dtype of q; fp32 math). A row with no valid position gives zeros.
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    positions, valid = selected_positions(indices, counts, block_size, kv_start, kv_end)
+    gather = positions[..., None].expand(-1, -1, -1, D)
+    keys = torch.gather(k, 2, gather).float()  # [B, Hkv, L, D]
+    values = torch.gather(v, 2, gather).float()
+    queries = q.float().view(B, Hkv, group, D)
+    scores = torch.einsum("bhgd,bhld->bhgl", queries, keys) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(-1, keepdim=True)
+    out = torch.einsum("bhgl,bhld->bhgd", weights, values) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def quest_page_scores_ref(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, num_pages: int, kv_start: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """Quest's upper bound of ``q . k`` over each page, maxed over the query heads of a GQA group.
+
+    q [B, Hq, D], page_min/page_max [B, Hkv, P, D] (P >= num_pages) -> scores [B, Hkv, num_pages] fp32, with
+    ``score = sum_d max(q_d * max_d, q_d * min_d)``; pages that end at or before ``kv_start[b]`` (all padding) get -inf.
+    """
+    B, Hq, D = q.shape
+    Hkv = page_min.shape[1]
+    queries = q.float().view(B, Hkv, Hq // Hkv, 1, D)
+    upper = torch.maximum(queries * page_max[:, :, None, :num_pages].float(),
+                          queries * page_min[:, :, None, :num_pages].float()).sum(-1)
+    scores = upper.amax(2)
+    page_end = (torch.arange(num_pages, device=q.device) + 1) * page_size
+    padding_only = page_end[None, :] <= kv_start.long()[:, None]
+    return scores.masked_fill(padding_only[:, None, :], float("-inf"))
+
+
+def cluster_scores_ref(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int) -> torch.Tensor:
+    """``q . centroid`` maxed over the query heads of a GQA group.
+
+    q [B, Hq, D], centroids [B, Hkv, C, D] (C >= num_clusters) -> scores [B, Hkv, num_clusters] fp32.
+    """
+    B, Hq, D = q.shape
+    Hkv = centroids.shape[1]
+    queries = q.float().view(B, Hkv, Hq // Hkv, D)
+    return torch.einsum("bhgd,bhcd->bhgc", queries, centroids[:, :, :num_clusters].float()).amax(2)

@@ -1,0 +1,1 @@
+"""Dense -> hybrid conversion: weight init from attention, two-stage distillation, checkpoints, save/load."""

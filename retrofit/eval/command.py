@@ -1,0 +1,137 @@
+"""`retrofit eval`: accuracy of dense and of each variant on the same items, as one Markdown table."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import click
+
+from retrofit.errors import RetrofitError
+
+EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same items; print one Markdown table
+(tasks x metrics as rows, variants as columns, the delta to dense beside each value, tokens/s per variant).
+
+\b
+MODEL: a local model directory, a .gguf file, a hub id, or the alias smollm2-135m.
+\b
+TASKS (comma-separated):
+  wikitext2                 perplexity of wikitext2_test.raw in --data-dir (windows of --seq-len)
+  ppl:PATH                  perplexity of any text file
+  piqa, arc_easy, hellaswag multiple choice (acc, acc_norm) from --data-dir
+  lambada                   last-word accuracy (acc, ppl) from --data-dir
+  NAME                      a multiple-choice jsonl bound with --task-file NAME=PATH
+  niah_single, niah_multikey, niah_multivalue, vt, cwe, fwe, passkey
+                            long-context synthetic tasks at each --context-length
+\b
+VARIANTS (dense always runs first):
+  --sparse quest --budget 256 --budget 1024     two variants: quest@256, quest@1024
+  --sparse-arg page_size=16                     extra keyword for sparse_decoding
+  --variant "quest:budget=256,page_size=16"     the same as a spec string (repeatable)
+  --hybrid out/smollm2-gdn                      a hybrid checkpoint (repeatable)
+\b
+Examples:
+  retrofit eval smollm2-135m --tasks wikitext2,piqa --data-dir data/eval --limit 200
+  retrofit eval smollm2-135m --tasks niah_single,passkey --context-length 2k,4k \\
+      --sparse streaming --budget 512 --json out.json --plot out.png
+"""
+
+
+def parse_lengths(text: str, option: str) -> tuple[int, ...]:
+    """``"1k,4096,32K"`` -> ``(1024, 4096, 32768)``; anything else is a one-line user error."""
+    lengths = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
+        if not match:
+            raise RetrofitError(f"{option}: expected comma-separated token counts like 1k,4096, got {text!r}")
+        value = int(match.group(1)) * (1024 if match.group(2) else 1)
+        if value <= 0:
+            raise RetrofitError(f"{option}: lengths must be positive, got {part.strip()!r}")
+        lengths.append(value)
+    return tuple(lengths)
+
+
+def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
+    files = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise RetrofitError(f"--task-file expects NAME=PATH, got {pair!r}")
+        files[name] = Path(path)
+    return files
+
+
+def default_dtype(device: str) -> str:
+    from retrofit.load import parse_device
+
+    return "bfloat16" if parse_device(device).type == "cuda" else "float32"
+
+
+@click.command("eval", help=EVAL_HELP, short_help="Accuracy of dense vs variants (ppl, multiple choice, RULER-style).")
+@click.argument("model")
+@click.option("--tasks", "tasks", required=True, help="Comma-separated task names (see above).")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="Folder with the evaluation files.")
+@click.option("--task-file", "task_files", multiple=True, metavar="NAME=PATH",
+              help="Bind NAME to a multiple-choice jsonl file ({query, choices, gold} per line).")
+@click.option("--limit", type=int, default=None,
+              help="First N items / windows of each task (synthetic tasks: N items per seed, default 20).")
+@click.option("--seq-len", type=int, default=1024, show_default=True, help="Perplexity window in tokens.")
+@click.option("--context-length", "context_length", default="4096", show_default=True,
+              help="Comma-separated prompt lengths of the synthetic tasks (1k = 1024).")
+@click.option("--seed", type=int, default=0, show_default=True, help="First seed of the synthetic tasks.")
+@click.option("--num-seeds", type=int, default=1, show_default=True, help="Seeds seed..seed+N-1 (items pooled).")
+@click.option("--haystack", type=click.Path(path_type=Path), default=None,
+              help="Text file whose sentences replace the noise haystack of the synthetic tasks.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Rows per forward / generate call.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA]")
+@click.option("--sparse", "sparse_methods", multiple=True, metavar="METHOD",
+              help="Sparse-decoding method (repeatable); one variant per --budget.")
+@click.option("--budget", "budgets", multiple=True, type=int, metavar="N", help="Token budget (repeatable).")
+@click.option("--sparse-arg", "sparse_args", multiple=True, metavar="KEY=VALUE",
+              help="Extra keyword for the sparse method (repeatable).")
+@click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
+@click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
+              help='Variant spec: "METHOD:budget=N[,k=v...]", "hybrid:DIR" (repeatable).')
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG chart here.")
+def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tuple[str, ...], limit: int | None,
+                 seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,
+                 batch_size: int, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
+                 budgets: tuple[int, ...], sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...],
+                 variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None) -> None:
+    from retrofit.eval.runner import run_eval, write_json_atomic
+    from retrofit.eval.table import markdown_table
+    from retrofit.eval.tasks import EvalSettings, build_jobs
+    from retrofit.eval.variants import variants_from_options
+    from retrofit.load import load
+
+    if batch_size <= 0:
+        raise RetrofitError(f"--batch-size must be positive, got {batch_size}")
+    if haystack is not None and not haystack.is_file():
+        raise RetrofitError(f"haystack file not found: {haystack}")
+    settings = EvalSettings(data_dir=data_dir, limit=limit, seq_len=seq_len,
+                            context_lengths=parse_lengths(context_length, "--context-length"), seed=seed,
+                            num_seeds=num_seeds, haystack=haystack, task_files=parse_task_files(task_files))
+    task_names = [name.strip() for name in tasks.split(",") if name.strip()]
+    jobs = build_jobs(task_names, settings)
+    variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
+                                     list(variant_specs))
+    dtype = dtype or default_dtype(device)
+    began = time.perf_counter()
+    loaded, tokenizer = load(model, dtype=dtype, device=device)
+    config = {"model": model, "tasks": task_names, "data_dir": str(data_dir) if data_dir else None,
+              "task_files": {name: str(path) for name, path in settings.task_files.items()}, "limit": limit,
+              "seq_len": seq_len, "context_lengths": list(settings.context_lengths), "seeds": settings.seeds,
+              "haystack": str(haystack) if haystack else None, "batch_size": batch_size,
+              "device": str(next(loaded.parameters()).device), "dtype": dtype,
+              "variants": ["dense"] + [variant.name for variant in variants]}
+    report = run_eval(loaded, tokenizer, jobs, variants, batch_size, config)
+    report.config["wall_seconds"] = time.perf_counter() - began
+    if json_path is not None:
+        write_json_atomic(json_path, report.to_json())
+    if plot_path is not None:
+        from retrofit.eval.plot import save_plot
+
+        save_plot(report, plot_path)
+    click.echo(markdown_table(report))

@@ -1,0 +1,63 @@
+"""Perplexity over non-overlapping windows of a text file (protocol: design/evaluation.md).
+
+The whole file is tokenized once without special tokens and cut into ``len // seq_len`` windows of exactly
+``seq_len`` tokens (the remainder is dropped); each window is scored on its own, and
+``ppl = exp(sum of NLL / number of predicted tokens)`` with ``seq_len - 1`` predicted tokens per window.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from retrofit.errors import RetrofitError
+from retrofit.eval.loglikelihood import Throughput, model_device
+
+
+def token_windows(tokenizer, text: str, seq_len: int, limit: int | None = None) -> torch.Tensor:
+    """Tokenize ``text`` once (no special tokens) and return the first ``limit`` windows, ``[N, seq_len]`` int64."""
+    if seq_len < 2:
+        raise RetrofitError(f"--seq-len must be at least 2, got {seq_len}")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    count = len(ids) // seq_len
+    if limit is not None:
+        count = min(count, limit)
+    if count == 0:
+        raise RetrofitError(f"the text has {len(ids)} tokens, fewer than one window of --seq-len {seq_len}")
+    return torch.tensor(ids[:count * seq_len], dtype=torch.long).view(count, seq_len)
+
+
+def read_text(path: Path) -> str:
+    """The file's text; a missing file is a user error."""
+    if not path.is_file():
+        raise RetrofitError(f"data file not found: {path}")
+    return path.read_text(encoding="utf-8")
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "perplexity",
+               throughput: Throughput | None = None) -> dict[str, float]:
+    """Perplexity of ``windows [N, T]``: ``exp(mean NLL of tokens 1..T-1 of every window)``.
+
+    Returns ``{"ppl": ..., "nll": mean NLL in nats, "tokens": number of predicted tokens}``.
+    """
+    device = model_device(model)
+    total_nll = 0.0
+    total_tokens = 0
+    for start in tqdm(range(0, len(windows), batch_size), desc=desc, unit="batch", leave=False):
+        batch = windows[start:start + batch_size].to(device)
+        began = time.perf_counter()
+        logits = model(input_ids=batch).logits
+        for row in range(len(batch)):
+            total_nll += float(F.cross_entropy(logits[row, :-1].float(), batch[row, 1:], reduction="sum"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if throughput is not None:
+            throughput.add(Throughput(batch.numel(), time.perf_counter() - began))
+        total_tokens += len(batch) * (batch.shape[1] - 1)
+    mean_nll = total_nll / total_tokens
+    return {"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": float(total_tokens)}

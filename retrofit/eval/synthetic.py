@@ -1,0 +1,328 @@
+"""Long-context synthetic tasks in the manner of NVIDIA's RULER: generated offline from a seed, scored by match.
+
+Each item is a prompt of token ids that fits ``context_length`` (the prompt takes at most
+``context_length - max_new_tokens`` tokens, so prompt + answer fit the window, and at least 90% of the window
+for lengths >= 512) and the answer string(s) that the greedy continuation must contain. The amount of
+haystack is binary-searched on the real tokenizer. Prompts go through the tokenizer's chat template when it
+has one, followed by an answer prefix (as RULER does), so a few greedy tokens suffice.
+
+Tasks: ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt``, ``cwe``, ``fwe``, ``passkey``.
+Scoring: ``score`` = percentage of items whose answer strings ALL appear (case-insensitive) in the output;
+multi-answer tasks also report ``partial`` = mean percentage of the answer strings found (RULER's
+``string_match_all``). ``passkey`` compares the first integer of the output with the key.
+"""
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from retrofit.errors import RetrofitError
+from retrofit.registry import Registry
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+_ADJECTIVES = ("ancient brave calm clever curious daring eager fancy gentle glossy happy hollow humble icy jolly "
+               "keen lively lucky mellow merry misty noble odd plain proud quiet rapid rustic shiny silent sleepy "
+               "smooth snowy solid spicy steady sturdy sunny swift tall tidy tiny vivid warm wild wise witty young "
+               "zesty amber bold crisp dusty fierce golden grumpy hasty loyal polite").split()
+_NOUNS = ("apple badger banjo beacon canyon castle cherry comet cookie cricket dragon falcon forest garden glacier "
+          "harbor helmet island jacket kettle ladder lantern lemon meadow mirror monkey needle ocean orchard otter "
+          "palace pepper pillow pirate planet puzzle rabbit river rocket saddle salmon shadow spider statue sunset "
+          "teapot thunder tiger tulip valley violin walrus willow window wizard zebra anchor barrel candle dolphin").split()
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+@dataclass(frozen=True)
+class SyntheticItem:
+    """One generated prompt and the strings the output must contain."""
+
+    task: str
+    context_length: int
+    seed: int
+    index: int
+    prompt_ids: tuple[int, ...]
+    answers: tuple[str, ...]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    """The user message (instructions + haystack + question), the answer prefix, and the answers."""
+
+    user: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    """A generator ``build(rng, size, haystack, depth) -> PromptParts`` (``size`` = haystack units, the amount
+    that is binary-searched) plus how many tokens to decode and how to score."""
+
+    name: str
+    build: Callable[[random.Random, int, "Haystack", float], PromptParts]
+    max_new_tokens: int
+    first_integer: bool = False
+
+    @property
+    def multi_answer(self) -> bool:
+        return self.name in {"niah_multivalue", "vt", "cwe", "fwe"}
+
+
+SYNTHETIC_TASKS: Registry[SyntheticTask] = Registry("synthetic task")
+
+
+class Haystack:
+    """Filler text as a sequence of units: repetitions of the noise paragraph, or sentences of a file."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        if path is None:
+            self.sentences = [NOISE]
+        else:
+            if not path.is_file():
+                raise RetrofitError(f"haystack file not found: {path}")
+            text = " ".join(path.read_text(encoding="utf-8").split())
+            self.sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+            if not self.sentences:
+                raise RetrofitError(f"haystack file is empty: {path}")
+
+    def units(self, rng: random.Random, count: int) -> list[str]:
+        """``count`` consecutive units from a seeded start (cycling through the file)."""
+        start = rng.randrange(len(self.sentences))
+        return [self.sentences[(start + offset) % len(self.sentences)] for offset in range(count)]
+
+
+def insert_at_depths(units: list[str], needles: list[tuple[float, str]]) -> str:
+    """Join ``units`` with spaces, placing each needle at ``round(depth * len(units))`` (depth in [0, 1])."""
+    pieces = list(units)
+    for depth, needle in sorted(needles, key=lambda pair: -pair[0]):
+        pieces.insert(round(min(max(depth, 0.0), 1.0) * len(units)), needle)
+    return " ".join(pieces)
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _pseudo_words(rng: random.Random, count: int, syllables: int = 3) -> list[str]:
+    words: set[str] = set()
+    ordered = []
+    while len(ordered) < count:
+        word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
+        if word not in words:
+            words.add(word)
+            ordered.append(word)
+    return ordered
+
+
+_NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the numbers afterwards.\n")
+
+
+def _needle(key: str, value: str) -> str:
+    return f"One of the special magic numbers for {key} is: {value}."
+
+
+def _niah_single(rng, size, haystack, depth):
+    key, value = _key(rng), _number(rng)
+    text = insert_at_depths(haystack.units(rng, size), [(depth, _needle(key, value))])
+    return PromptParts(f"{_NIAH_INTRO}{text}\nWhat is the special magic number for {key} mentioned in the provided text?",
+                       f"The special magic number for {key} mentioned in the provided text is", (value,))
+
+
+def _niah_multikey(rng, size, haystack, depth):
+    keys = set()
+    while len(keys) < 4:
+        keys.add(_key(rng))
+    key, *distractors = sorted(keys)
+    value = _number(rng)
+    needles = [(depth, _needle(key, value))] + [(rng.random(), _needle(other, _number(rng))) for other in distractors]
+    text = insert_at_depths(haystack.units(rng, size), needles)
+    return PromptParts(f"{_NIAH_INTRO}{text}\nWhat is the special magic number for {key} mentioned in the provided text?",
+                       f"The special magic number for {key} mentioned in the provided text is", (value,))
+
+
+def _niah_multivalue(rng, size, haystack, depth):
+    key = _key(rng)
+    values = []
+    while len(values) < 4:
+        value = _number(rng)
+        if value not in values:
+            values.append(value)
+    needles = [(depth, _needle(key, values[0]))] + [(rng.random(), _needle(key, value)) for value in values[1:]]
+    text = insert_at_depths(haystack.units(rng, size), needles)
+    return PromptParts(f"{_NIAH_INTRO}{text}\nWhat are all the special magic numbers for {key} mentioned in the "
+                       "provided text?",
+                       f"The special magic numbers for {key} mentioned in the provided text are", tuple(values))
+
+
+def _variable_names(rng: random.Random, count: int) -> list[str]:
+    names: list[str] = []
+    while len(names) < count:
+        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _vt(rng, size, haystack, depth):
+    hops = 4
+    names = _variable_names(rng, 2 * (hops + 1))
+    value, decoy = rng.sample(range(10_000, 100_000), 2)
+    needles = []
+    for chain, chain_value in ((names[:hops + 1], value), (names[hops + 1:], decoy)):
+        statements = [f"VAR {chain[0]} = {chain_value}."] + [
+            f"VAR {chain[i]} = VAR {chain[i - 1]}." for i in range(1, len(chain))]
+        depths = sorted(rng.random() for _ in statements)
+        needles += list(zip(depths, statements))
+    text = insert_at_depths(haystack.units(rng, size), needles)
+    return PromptParts("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+                       f"{text}\nQuestion: Find all variables that are assigned the value {value} in the text above.",
+                       f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} "
+                       f"variables are assigned the value {value}, they are:", tuple(names[:hops + 1]))
+
+
+def _cwe(rng, size, haystack, depth):
+    """10 common words, each ``freq_common`` times, among ``size`` uncommon words each ``freq_rare`` times.
+    RULER uses 30 and 3; shorter windows scale both down (common stays >= 2x rare) so the list still fits."""
+    num_common = 10
+    freq_common = max(4, min(30, size // 4))
+    freq_rare = max(1, min(3, freq_common // 5))
+    words = _pseudo_words(rng, num_common + size)
+    listing = [w for w in words[:num_common] for _ in range(freq_common)]
+    listing += [w for w in words[num_common:] for _ in range(freq_rare)]
+    rng.shuffle(listing)
+    numbered = "\n".join(f"{number}. {word}" for number, word in enumerate(listing, 1))
+    return PromptParts("Below is a numbered list of words. In these words, some appear more often than others. "
+                       f"Memorize the ones that appear most often.\n{numbered}\nQuestion: What are the "
+                       f"{num_common} most common words in the above list?",
+                       f"Answer: The top {num_common} words that appear most often in the list are:",
+                       tuple(words[:num_common]))
+
+
+def _fwe(rng, size, haystack, depth):
+    """``size`` coded words drawn with Zipf weights (alpha 2) from a pseudo-word vocabulary; answer: the top 3."""
+    vocabulary = _pseudo_words(rng, max(20, size // 10), syllables=2)
+    weights = [1.0 / (rank + 1) ** 2.0 for rank in range(len(vocabulary))]
+    text_words = rng.choices(vocabulary, weights=weights, k=max(size, 8))
+    counts = Counter(text_words)
+    ranked = [word for word, _ in counts.most_common()]
+    while len(ranked) > 3 and counts[ranked[2]] <= counts[ranked[3]]:
+        position = text_words.index(ranked[3])
+        text_words[position] = ranked[2]
+        counts = Counter(text_words)
+        ranked = [word for word, _ in counts.most_common()]
+    return PromptParts("Read the following coded text and track the frequency of each coded word. Find the three "
+                       f"most frequently appeared coded words. {' '.join(text_words)}\nQuestion: Do not provide any "
+                       "explanation. What are the three most frequently appeared words in the above coded text?",
+                       "Answer: According to the coded text above, the three most frequently appeared words are:",
+                       tuple(ranked[:3]))
+
+
+def _passkey(rng, size, haystack, depth):
+    key = str(rng.randint(10_000, 99_999))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    text = insert_at_depths(haystack.units(rng, size), [(depth, needle)])
+    return PromptParts("There is a pass key hidden in the text below. Find it and memorize it. I will quiz you "
+                       f"about the pass key.\n\n{text}\n\nWhat is the pass key?", "The pass key is", (key,))
+
+
+for _task in (SyntheticTask("niah_single", _niah_single, 12), SyntheticTask("niah_multikey", _niah_multikey, 12),
+              SyntheticTask("niah_multivalue", _niah_multivalue, 40), SyntheticTask("vt", _vt, 32),
+              SyntheticTask("cwe", _cwe, 64), SyntheticTask("fwe", _fwe, 24),
+              SyntheticTask("passkey", _passkey, 10, first_integer=True)):
+    SYNTHETIC_TASKS.register(_task.name)(_task)
+
+
+def render_prompt(tokenizer, parts: PromptParts) -> list[int]:
+    """Token ids of the prompt: chat template (user turn, generation prompt) + answer prefix when the tokenizer
+    has a template, else ``user + "\\n" + answer_prefix`` with the tokenizer's default special tokens."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": parts.user}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer.encode(text + parts.answer_prefix, add_special_tokens=False)
+    return tokenizer.encode(parts.user + "\n" + parts.answer_prefix)
+
+
+def _item_rng(task: str, context_length: int, seed: int, index: int) -> random.Random:
+    return random.Random(f"{task}:{context_length}:{seed}:{index}")
+
+
+def generate_item(task: SyntheticTask, tokenizer, context_length: int, seed: int, index: int, num_items: int,
+                  haystack: Haystack) -> SyntheticItem:
+    """The item with the most haystack whose prompt fits ``context_length - task.max_new_tokens`` tokens.
+
+    The needle depth sweeps 0..100% over ``index = 0..num_items-1``. Deterministic for (task, length, seed, index).
+    """
+    budget = context_length - task.max_new_tokens
+    depth = index / (num_items - 1) if num_items > 1 else 0.5
+
+    def render(size: int) -> tuple[list[int], PromptParts]:
+        parts = task.build(_item_rng(task.name, context_length, seed, index), size, haystack, depth)
+        return render_prompt(tokenizer, parts), parts
+
+    smallest, parts = render(1)
+    if len(smallest) > budget:
+        raise RetrofitError(f"--context-length {context_length} is too short for {task.name}: its prompt takes "
+                            f"{len(smallest)} tokens before any haystack (plus {task.max_new_tokens} to generate)")
+    low, high = 1, 2
+    fits: dict[int, tuple[list[int], PromptParts]] = {1: (smallest, parts)}
+    while True:
+        ids, parts = render(high)
+        if len(ids) > budget:
+            break
+        fits[high] = (ids, parts)
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        ids, parts = render(middle)
+        if len(ids) <= budget:
+            fits[middle] = (ids, parts)
+            low = middle
+        else:
+            high = middle
+    ids, parts = fits[low]
+    return SyntheticItem(task.name, context_length, seed, index, tuple(ids), parts.answers, task.max_new_tokens)
+
+
+def generate_items(task_name: str, tokenizer, context_length: int, seeds: list[int], num_items: int,
+                   haystack: Haystack | None = None) -> list[SyntheticItem]:
+    """``num_items`` items per seed for one task and context length."""
+    task = SYNTHETIC_TASKS.get(task_name)
+    haystack = haystack or Haystack()
+    return [generate_item(task, tokenizer, context_length, seed, index, num_items, haystack)
+            for seed in seeds for index in range(num_items)]
+
+
+def answer_fraction(output: str, answers: tuple[str, ...]) -> float:
+    """Fraction of ``answers`` that occur in ``output`` (case-insensitive substring)."""
+    lowered = output.lower()
+    return sum(answer.lower() in lowered for answer in answers) / len(answers)
+
+
+def first_integer_matches(output: str, answers: tuple[str, ...]) -> bool:
+    """True when the first integer in ``output`` equals the (single) answer."""
+    match = re.search(r"\d+", output)
+    return match is not None and match.group(0) == answers[0]
+
+
+def score_outputs(task_name: str, items: list[SyntheticItem], outputs: list[str]) -> dict[str, float]:
+    """``{"score": % of items fully answered}`` (+ ``"partial"`` for multi-answer tasks), percentages 0..100."""
+    task = SYNTHETIC_TASKS.get(task_name)
+    if task.first_integer:
+        return {"score": 100.0 * sum(first_integer_matches(o, i.answers) for i, o in zip(items, outputs)) / len(items)}
+    fractions = [answer_fraction(output, item.answers) for item, output in zip(items, outputs)]
+    metrics = {"score": 100.0 * sum(fraction == 1.0 for fraction in fractions) / len(items)}
+    if task.multi_answer:
+        metrics["partial"] = 100.0 * sum(fractions) / len(items)
+    return metrics

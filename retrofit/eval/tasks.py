@@ -1,0 +1,207 @@
+"""The task registry: a task name -> the evaluation jobs it contributes (one per context length for the
+long-context tasks). Items are prepared once, before any variant runs, so every variant sees the same items.
+
+Names: ``wikitext2`` (``wikitext2_test.raw`` in ``--data-dir``), ``ppl:PATH`` (perplexity of any text file),
+``piqa``, ``arc_easy``, ``hellaswag``, ``lambada``, a name bound with ``--task-file NAME=PATH`` (multiple-choice
+jsonl), and the synthetic tasks ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt``, ``cwe``, ``fwe``,
+``passkey`` (one result per ``--context-length``, keyed ``TASK@LENGTH``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from retrofit.errors import RetrofitError
+from retrofit.eval import lambada, multiple_choice, perplexity, synthetic
+from retrofit.eval.generation import greedy_generate
+from retrofit.eval.loglikelihood import Throughput, max_model_length
+from retrofit.registry import Registry
+
+DEFAULT_SYNTHETIC_ITEMS = 20
+
+
+@dataclass
+class EvalSettings:
+    """What the jobs need besides the model: data location, limits, lengths, seeds."""
+
+    data_dir: Path | None = None
+    limit: int | None = None
+    seq_len: int = 1024
+    context_lengths: tuple[int, ...] = (4096,)
+    seed: int = 0
+    num_seeds: int = 1
+    haystack: Path | None = None
+    task_files: dict[str, Path] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.limit is not None and self.limit <= 0:
+            raise RetrofitError(f"--limit must be a positive number of items, got {self.limit}")
+        if self.seq_len < 2:
+            raise RetrofitError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.num_seeds <= 0:
+            raise RetrofitError(f"--num-seeds must be positive, got {self.num_seeds}")
+        for length in self.context_lengths:
+            if length <= 0:
+                raise RetrofitError(f"--context-length must be positive, got {length}")
+
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + offset for offset in range(self.num_seeds)]
+
+    def data_file(self, task: str, name: str) -> Path:
+        if self.data_dir is None:
+            raise RetrofitError(f"task {task} reads {name}: pass --data-dir DIR (the folder holding {name})")
+        path = Path(self.data_dir) / name
+        if not path.is_file():
+            raise RetrofitError(f"task {task}: data file not found: {path}")
+        return path
+
+
+@dataclass
+class Job:
+    """One result column entry: ``run(model, tokenizer, batch_size, throughput) -> {metric: value}``."""
+
+    key: str
+    run: Callable[..., dict[str, float]]
+    prepare: Callable[[object, object], None] = lambda model, tokenizer: None
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A named task: ``check(settings)`` validates files early; ``jobs(settings)`` builds the jobs."""
+
+    name: str
+    jobs: Callable[[str, EvalSettings], list[Job]]
+    check: Callable[[str, EvalSettings], None] = lambda name, settings: None
+
+
+TASKS: Registry[TaskSpec] = Registry("task")
+
+
+def _perplexity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
+    def jobs(task: str, settings: EvalSettings) -> list[Job]:
+        path = path_of(settings)
+        state: dict[str, object] = {}
+
+        def prepare(model, tokenizer):
+            if settings.seq_len > max_model_length(model):
+                raise RetrofitError(f"--seq-len {settings.seq_len} is over the model's limit of "
+                                    f"{max_model_length(model)} positions (max_position_embeddings)")
+            state["windows"] = perplexity.token_windows(tokenizer, perplexity.read_text(path), settings.seq_len,
+                                                        settings.limit)
+
+        def run(model, tokenizer, batch_size: int, throughput: Throughput) -> dict[str, float]:
+            result = perplexity.perplexity(model, state["windows"], batch_size, desc=task, throughput=throughput)
+            return {"ppl": result["ppl"]}
+
+        return [Job(task, run, prepare)]
+    return jobs
+
+
+def _multiple_choice_jobs(loader: Callable[[Path, int | None], list], path_of: Callable[[EvalSettings], Path]):
+    def jobs(task: str, settings: EvalSettings) -> list[Job]:
+        items = loader(path_of(settings), settings.limit)
+
+        def run(model, tokenizer, batch_size: int, throughput: Throughput) -> dict[str, float]:
+            metrics, _ = multiple_choice.evaluate_multiple_choice(model, tokenizer, items, batch_size, task, throughput)
+            return metrics
+
+        return [Job(task, run)]
+    return jobs
+
+
+def _lambada_jobs(task: str, settings: EvalSettings) -> list[Job]:
+    items = lambada.load_lambada(settings.data_file(task, "lambada_openai.jsonl"), settings.limit)
+
+    def run(model, tokenizer, batch_size: int, throughput: Throughput) -> dict[str, float]:
+        return lambada.evaluate_lambada(model, tokenizer, items, batch_size, task, throughput)
+
+    return [Job(task, run)]
+
+
+def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
+    haystack = synthetic.Haystack(settings.haystack)
+    num_items = settings.limit or DEFAULT_SYNTHETIC_ITEMS
+    jobs = []
+    for length in settings.context_lengths:
+        state: dict[str, list] = {}
+
+        def prepare(model, tokenizer, length=length, state=state):
+            limit = max_model_length(model)
+            if length > limit:
+                raise RetrofitError(f"--context-length {length} is over the model's limit of {limit} positions "
+                                    "(max_position_embeddings)")
+            state["items"] = synthetic.generate_items(task, tokenizer, length, settings.seeds, num_items, haystack)
+
+        def run(model, tokenizer, batch_size: int, throughput: Throughput, length=length, state=state):
+            items = state["items"]
+            outputs = greedy_generate(model, tokenizer, [list(item.prompt_ids) for item in items],
+                                      items[0].max_new_tokens, batch_size, f"{task}@{length}", throughput)
+            return synthetic.score_outputs(task, items, outputs)
+
+        jobs.append(Job(f"{task}@{length}", run, prepare))
+    return jobs
+
+
+def _builtin_file(name: str, file_name: str) -> Callable[[EvalSettings], Path]:
+    return lambda settings: settings.data_file(name, file_name)
+
+
+def _register_builtins() -> None:
+    files = {"wikitext2": "wikitext2_test.raw", "piqa": "piqa.jsonl", "arc_easy": "arc_easy.jsonl",
+             "hellaswag": "hellaswag_val.txt.bz2", "lambada": "lambada_openai.jsonl"}
+
+    def check_file(name):
+        return lambda task, settings: settings.data_file(task, files[name])
+
+    TASKS.register("wikitext2")(TaskSpec("wikitext2", _perplexity_jobs("wikitext2", _builtin_file(
+        "wikitext2", files["wikitext2"])), check_file("wikitext2")))
+    for name in ("piqa", "arc_easy"):
+        TASKS.register(name)(TaskSpec(name, _multiple_choice_jobs(multiple_choice.load_jsonl, _builtin_file(
+            name, files[name])), check_file(name)))
+    TASKS.register("hellaswag")(TaskSpec("hellaswag", _multiple_choice_jobs(multiple_choice.load_hellaswag,
+                                         _builtin_file("hellaswag", files["hellaswag"])), check_file("hellaswag")))
+    TASKS.register("lambada")(TaskSpec("lambada", _lambada_jobs, check_file("lambada")))
+    for name in synthetic.SYNTHETIC_TASKS.names():
+        TASKS.register(name)(TaskSpec(name, _synthetic_jobs))
+
+
+_register_builtins()
+
+
+def resolve_task(name: str, settings: EvalSettings) -> TaskSpec:
+    """The TaskSpec for ``name``: ``ppl:PATH``, a ``--task-file`` name, or a registered task (did-you-mean)."""
+    if name.startswith("ppl:"):
+        path = Path(name[len("ppl:"):])
+
+        def path_of(settings: EvalSettings) -> Path:
+            if not path.is_file():
+                raise RetrofitError(f"task {name}: data file not found: {path}")
+            return path
+
+        return TaskSpec(name, _perplexity_jobs(name, path_of), lambda task, settings: path_of(settings) and None)
+    if name in settings.task_files:
+        path = settings.task_files[name]
+
+        def task_file(settings: EvalSettings) -> Path:
+            if not path.is_file():
+                raise RetrofitError(f"task {name}: data file not found: {path}")
+            return path
+
+        return TaskSpec(name, _multiple_choice_jobs(multiple_choice.load_jsonl, task_file),
+                        lambda task, settings: task_file(settings) and None)
+    if name not in TASKS and settings.task_files:
+        known = TASKS.unknown_message(name)
+        raise RetrofitError(f"{known}, or a --task-file name ({', '.join(sorted(settings.task_files))})")
+    return TASKS.get(name)
+
+
+def build_jobs(task_names: list[str], settings: EvalSettings) -> list[Job]:
+    """Validate every name and data file first (before any model is loaded), then build the jobs in order."""
+    if not task_names:
+        raise RetrofitError("--tasks is empty; choose from: " + ", ".join(TASKS.names()) + ", ppl:PATH")
+    specs = [resolve_task(name, settings) for name in task_names]
+    for name, spec in zip(task_names, specs):
+        spec.check(name, settings)
+    return [job for name, spec in zip(task_names, specs) for job in spec.jobs(name, settings)]

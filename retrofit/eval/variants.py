@@ -1,0 +1,168 @@
+"""Variants: what `retrofit eval` and `retrofit bench` compare against the dense model.
+
+A :class:`Variant` has a ``name`` and ``open(model, tokenizer)``, a context manager yielding the model to
+evaluate (and undoing whatever it did on exit). Kinds are registered by name in :data:`VARIANT_KINDS` so later
+features plug in: ``dense`` (the model as given), ``sparse`` (``retrofit.sparse.sparse_decoding``), ``hybrid``
+(a checkpoint loaded with ``retrofit.load``).
+
+Spec strings (``--variant``): ``dense``; ``hybrid:DIR``; ``METHOD:budget=N[,key=value...]`` for sparse decoding,
+e.g. ``quest:budget=256,page_size=16`` (named ``quest@256,page_size=16``).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator
+
+from retrofit.errors import RetrofitError
+from retrofit.registry import Registry
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named way of running the model; ``open(model, tokenizer)`` yields the model to evaluate."""
+
+    name: str
+    opener: Callable[[object, object], ContextManager[object]]
+
+    def open(self, model, tokenizer) -> ContextManager[object]:
+        return self.opener(model, tokenizer)
+
+
+VARIANT_KINDS: Registry[Callable[..., Variant]] = Registry("variant kind")
+
+
+@VARIANT_KINDS.register("dense")
+def dense() -> Variant:
+    """The model exactly as given."""
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        yield model
+
+    return Variant("dense", opener)
+
+
+def _sparse_decoding():
+    try:
+        from retrofit.sparse import sparse_decoding
+    except ModuleNotFoundError as error:
+        if error.name and error.name.startswith("retrofit.sparse"):
+            raise RetrofitError("sparse decoding is not available in this install (the module retrofit.sparse "
+                                "is missing), so sparse variants cannot run") from None
+        raise
+    except ImportError as error:
+        raise RetrofitError(f"sparse decoding is not available: retrofit.sparse has no sparse_decoding ({error})") \
+            from None
+    return sparse_decoding
+
+
+def format_params(params: dict[str, object]) -> str:
+    return ",".join(f"{key}={value}" for key, value in params.items())
+
+
+@VARIANT_KINDS.register("sparse")
+def sparse(method: str, budget: int, **params) -> Variant:
+    """``with retrofit.sparse.sparse_decoding(model, method=method, budget=budget, **params)``."""
+    if budget <= 0:
+        raise RetrofitError(f"--budget must be a positive number of tokens, got {budget}")
+    name = f"{method}@{budget}" + (f",{format_params(params)}" if params else "")
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        with _sparse_decoding()(model, method=method, budget=budget, **params):
+            yield model
+
+    return Variant(name, opener)
+
+
+@VARIANT_KINDS.register("hybrid")
+def hybrid(path: str) -> Variant:
+    """A hybrid checkpoint directory, loaded with ``retrofit.load`` on the dense model's device and dtype."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise RetrofitError(f"--hybrid {path}: no such directory")
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        from retrofit.load import load
+
+        parameter = next(model.parameters())
+        try:
+            loaded, _ = load(str(directory), dtype=parameter.dtype, device=parameter.device)
+        except (ModuleNotFoundError, NotImplementedError) as error:
+            raise RetrofitError(f"--hybrid {path}: hybrid checkpoints cannot be loaded in this install ({error})") \
+                from None
+        try:
+            yield loaded
+        finally:
+            del loaded
+            gc.collect()
+
+    return Variant(f"hybrid:{directory.name}", opener)
+
+
+def parse_value(text: str) -> object:
+    """``"16"`` -> 16, ``"0.5"`` -> 0.5, ``"true"`` -> True, anything else stays a string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_key_values(pairs: list[str], option: str) -> dict[str, object]:
+    """``["k=v", ...]`` -> ``{k: parsed v}``; a malformed pair is a user error naming ``option``."""
+    params: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise RetrofitError(f"{option} expects key=value, got {pair!r}")
+        params[key.strip()] = parse_value(value.strip())
+    return params
+
+
+def parse_variant_spec(spec: str) -> Variant:
+    """A ``--variant`` string: ``dense``, ``hybrid:DIR`` or ``METHOD:budget=N[,key=value...]``."""
+    head, _, rest = spec.partition(":")
+    head = head.strip()
+    if head == "dense" and not rest:
+        return dense()
+    if head == "hybrid":
+        if not rest:
+            raise RetrofitError(f"--variant {spec!r}: expected hybrid:DIR")
+        return hybrid(rest)
+    if not head:
+        raise RetrofitError(f"--variant {spec!r}: expected METHOD:budget=N[,key=value...]")
+    params = parse_key_values([part for part in rest.split(",") if part.strip()], f"--variant {spec!r}")
+    budget = params.pop("budget", None)
+    if not isinstance(budget, int):
+        raise RetrofitError(f"--variant {spec!r}: sparse variants need an integer budget, e.g. {head}:budget=1024")
+    return sparse(head, budget, **params)
+
+
+def variants_from_options(sparse_methods: list[str], budgets: list[int], sparse_args: list[str],
+                          hybrid_dirs: list[str], specs: list[str]) -> list[Variant]:
+    """The variants (besides dense) named on the command line, in order: sparse x budgets, hybrids, specs.
+    Duplicate names are a user error."""
+    if budgets and not sparse_methods:
+        raise RetrofitError("--budget needs --sparse METHOD")
+    if sparse_methods and not budgets:
+        raise RetrofitError("--sparse needs at least one --budget N")
+    if sparse_args and not sparse_methods:
+        raise RetrofitError("--sparse-arg needs --sparse METHOD")
+    params = parse_key_values(sparse_args, "--sparse-arg")
+    variants = [sparse(method, budget, **params) for method in sparse_methods for budget in budgets]
+    variants += [hybrid(path) for path in hybrid_dirs]
+    variants += [parse_variant_spec(spec) for spec in specs]
+    names = [variant.name for variant in variants]
+    for name in names:
+        if name == "dense" or names.count(name) > 1:
+            raise RetrofitError(f"variant {name!r} is given twice (dense always runs first)")
+    return variants

