@@ -29,6 +29,12 @@ import torch.nn.functional as F
 
 H, K, V = 32, 128, 128
 DTYPE = torch.bfloat16
+DEVICE = "cuda"
+CHUNK_SHAPES = ((1, 16384), (4, 8192))  # (B, T) for chunk forward
+FWD_BWD_SHAPE = (1, 16384)  # (B, T) for chunk forward + backward
+DECODE_BATCHES = (1, 64)
+SDPA_SHAPES = ((1, 16384, False), (4, 8192, False), (1, 65536, False), (1, 16384, True))  # (B, T, backward)
+CHECK_SHAPE = (2, 4096)  # (B, T) for --check
 
 
 @dataclass
@@ -83,9 +89,9 @@ def load_ours():
 
 def make_inputs(B: int, T: int, kda: bool, requires_grad: bool = False, seed: int = 0):
     """q, k (L2-normalised), v in bf16; g (log decay, fp32; per key channel for KDA, clamped at -5), beta (bf16)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     def randn(*shape, dtype=DTYPE):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
     q = randn(B, T, H, K)
     k = F.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).to(DTYPE)
     v = randn(B, T, H, V)
@@ -111,14 +117,15 @@ def try_bench(fn) -> tuple[float | None, str]:
         return bench(fn), ""
     except Exception as error:  # report, don't crash: e.g. fla's GDN backward on some triton/Hopper pairs
         message = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return None, f"refused: {type(error).__name__}: {message}"
 
 
 def chunk_rows(ours, fla, rows: list[Row]) -> None:
     scale = K ** -0.5
     for kind in ("gdn", "kda"):
-        for B, T in ((1, 16384), (4, 8192)):
+        for B, T in CHUNK_SHAPES:
             q, k, v, g, beta = make_inputs(B, T, kind == "kda")
             row = Row(f"{kind} chunk fwd", f"B={B} T={T}", B * T)
             notes = []
@@ -134,10 +141,9 @@ def chunk_rows(ours, fla, rows: list[Row]) -> None:
             row.note = "; ".join(notes)
             rows.append(row)
             print_row(row)
-            del q, k, v, g, beta
-        B, T = 1, 16384
+        B, T = FWD_BWD_SHAPE
         q, k, v, g, beta = make_inputs(B, T, kind == "kda", requires_grad=True)
-        do = torch.randn(B, T, H, V, device="cuda", dtype=DTYPE)
+        do = torch.randn(B, T, H, V, device=DEVICE, dtype=DTYPE)
         row = Row(f"{kind} chunk fwd+bwd", f"B={B} T={T}", B * T)
         notes = []
         for who, ops, attr in (("ours", ours, "ours_ms"), ("fla", fla, "fla_ms")):
@@ -156,8 +162,8 @@ def chunk_rows(ours, fla, rows: list[Row]) -> None:
         row.note = "; ".join(notes)
         rows.append(row)
         print_row(row)
-        del q, k, v, g, beta, do
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def capture(fn):
@@ -178,9 +184,9 @@ def decode_rows(ours, fla, rows: list[Row]) -> None:
     from retrofit.kernels import RecurrentDecodeGraph
     scale = K ** -0.5
     for kind in ("gdn", "kda"):
-        for B in (1, 64):
+        for B in DECODE_BATCHES:
             q, k, v, g, beta = make_inputs(B, 1, kind == "kda", seed=1)
-            state = torch.randn(B, H, K, V, device="cuda", dtype=torch.float32) * 0.1
+            state = torch.randn(B, H, K, V, device=DEVICE, dtype=torch.float32) * 0.1
             ours_op = ours[f"recurrent_{kind}"]
             plain = Row(f"{kind} decode step", f"B={B}", B)
             plain.ours_ms, note = try_bench(lambda: ours_op(q, k, v, g, beta, scale=scale, initial_state=state,
@@ -214,8 +220,8 @@ def decode_rows(ours, fla, rows: list[Row]) -> None:
 
 def sdpa_rows(rows: list[Row]) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    for B, T, backward in ((1, 16384, False), (4, 8192, False), (1, 65536, False), (1, 16384, True)):
-        q, k, v = (torch.randn(B, H, T, K, device="cuda", dtype=DTYPE, requires_grad=backward) for _ in range(3))
+    for B, T, backward in SDPA_SHAPES:
+        q, k, v = (torch.randn(B, H, T, K, device=DEVICE, dtype=DTYPE, requires_grad=backward) for _ in range(3))
         row = Row("sdpa causal fwd+bwd (torch flash)" if backward else "sdpa causal fwd (torch flash)",
                   f"B={B} T={T}", B * T)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -232,8 +238,8 @@ def sdpa_rows(rows: list[Row]) -> None:
         row.note = ("(torch SDPA in the 'ours' column) " + row.note).strip()
         rows.append(row)
         print_row(row)
-        del q, k, v
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -246,13 +252,13 @@ def check(ours, fla) -> dict:
     """Our bf16 outputs vs fla's on the same inputs: rel RMS per output (and per gradient for the chunk forms)."""
     results: dict[str, dict[str, float | str]] = {}
     scale = K ** -0.5
-    B, T = 2, 4096
+    B, T = CHECK_SHAPE
     for kind in ("gdn", "kda"):
         name = f"chunk_{kind}"
         if name in ours:
             q, k, v, g, beta = make_inputs(B, T, kind == "kda", requires_grad=True, seed=2)
-            h0 = torch.randn(B, H, K, V, device="cuda") * 0.1
-            do = torch.randn(B, T, H, V, device="cuda", dtype=DTYPE)
+            h0 = torch.randn(B, H, K, V, device=DEVICE) * 0.1
+            do = torch.randn(B, T, H, V, device=DEVICE, dtype=DTYPE)
             outs = {}
             for who, ops in (("ours", ours), ("fla", fla)):
                 try:
@@ -265,7 +271,7 @@ def check(ours, fla) -> dict:
             results[name] = compare(outs)
         name = f"recurrent_{kind}"
         q, k, v, g, beta = make_inputs(B, 64, kind == "kda", seed=3)
-        h0 = torch.randn(B, H, K, V, device="cuda") * 0.1
+        h0 = torch.randn(B, H, K, V, device=DEVICE) * 0.1
         outs = {}
         for who, ops in (("ours", ours), ("fla", fla)):
             try:
@@ -324,7 +330,7 @@ def markdown(rows: list[Row]) -> str:
     lines = ["| op | shape | ours ms | fla ms | fla/ours | tokens/s (ours) | note |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
-        tps = "-" if row.tokens_per_s is None else f"{row.tokens_per_s / 1e6:.2f} M"
+        tps = "-" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}"
         lines.append(f"| {row.op} | {row.shape} | {fmt(row.ours_ms, 4)} | {fmt(row.fla_ms, 4)} | "
                      f"{fmt(row.ratio, 2)} | {tps} | {row.note} |")
     return "\n".join(lines)

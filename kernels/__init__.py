@@ -11,19 +11,26 @@ This package imports nothing from the rest of ``retrofit``.
 """
 
 from retrofit.kernels.conv import causal_conv1d, causal_conv1d_update, naive_causal_conv1d, naive_causal_conv1d_update
+from retrofit.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 from retrofit.kernels.gated_delta_rule.decode_graph import RecurrentDecodeGraph
 from retrofit.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule
+from retrofit.kernels.gated_delta_rule.reference import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from retrofit.kernels.kda.chunk import chunk_kda
 from retrofit.kernels.kda.fused_recurrent import fused_recurrent_kda
+from retrofit.kernels.kda.reference import naive_chunk_kda, naive_recurrent_kda
 
 __all__ = [
     "RecurrentDecodeGraph",
     "causal_conv1d",
     "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_kda",
     "naive_causal_conv1d",
     "naive_causal_conv1d_update",
+    "naive_chunk_gated_delta_rule",
+    "naive_chunk_kda",
+    "naive_recurrent_gated_delta_rule",
+    "naive_recurrent_kda",
 ]
-
-# TODO(K2): export chunk_gated_delta_rule, chunk_kda and the naive_* GDN/KDA references once K1's
-# chunk.py / reference.py modules land.

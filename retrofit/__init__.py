@@ -1,6 +1,20 @@
-"""retrofit: make long context cheap for pretrained dense causal LMs."""
+"""retrofit: make long context cheap for pretrained dense causal LMs.
+
+    model, tokenizer = retrofit.load("smollm2-135m")
+    with retrofit.sparse_decoding(model, method="quest", budget=1024):
+        model.generate(...)
+"""
 from retrofit.errors import RetrofitError
 from retrofit.load import load
 
 __version__ = "0.1.0"
-__all__ = ["load", "RetrofitError", "__version__"]
+__all__ = ["load", "sparse_decoding", "RetrofitError", "__version__"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: `import retrofit` stays cheap and patches nothing.
+    if name == "sparse_decoding":
+        from retrofit.sparse import sparse_decoding
+
+        return sparse_decoding
+    raise AttributeError(f"module 'retrofit' has no attribute {name!r}")

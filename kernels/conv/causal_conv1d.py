@@ -242,7 +242,9 @@ def causal_conv1d(
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
-    y = _CausalConv1dFunction.apply(x, weight, bias, initial_state, silu)
+    # a width-1 conv has an empty state: nothing for the kernel to read
+    kernel_state = initial_state if W > 1 else None
+    y = _CausalConv1dFunction.apply(x, weight, bias, kernel_state, silu)
     final_state = None
     if output_final_state:
         prefix = x.new_zeros(B, D, W - 1) if initial_state is None else initial_state.to(x.dtype)
@@ -278,8 +280,8 @@ def causal_conv1d_update(
     if not (x.ndim == 2 or (x.ndim == 3 and x.shape[1] == 1)):
         raise ValueError(f"causal_conv1d_update: x must be [B, D] or [B, 1, D], got {tuple(x.shape)}")
     W = weight.shape[-1]
-    if weight.ndim != 2 or weight.shape[0] != D:
-        raise ValueError(f"causal_conv1d_update: weight must be [{D}, W], got {tuple(weight.shape)}")
+    if weight.ndim != 2 or weight.shape[0] != D or W < 2:
+        raise ValueError(f"causal_conv1d_update: weight must be [{D}, W] with W >= 2, got {tuple(weight.shape)}")
     if tuple(conv_state.shape) != (B, D, W - 1) or not conv_state.is_contiguous():
         raise ValueError(f"causal_conv1d_update: conv_state must be a contiguous {[B, D, W - 1]} tensor, got {list(conv_state.shape)}")
     if not x.is_contiguous():
@@ -288,6 +290,6 @@ def causal_conv1d_update(
     BD = _block_d(D)
     causal_conv1d_update_kernel[(triton.cdiv(D, BD), B)](
         x, conv_state, weight, bias, y, D,
-        W=W, BW=max(2, triton.next_power_of_2(max(W - 1, 1))), BD=BD, HAS_BIAS=bias is not None, SILU=silu,
+        W=W, BW=max(2, triton.next_power_of_2(W - 1)), BD=BD, HAS_BIAS=bias is not None, SILU=silu,
     )
     return y

@@ -36,6 +36,7 @@ import triton.language as tl
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
 BLOCK_V = 64        # BV: value-dimension block of the state kernels
+KDA_DIAG_BK = 32    # key-dimension block of KDA's elementwise diagonal sub-blocks
 NUM_WARPS = 4
 NUM_STAGES = 2
 # tl.dot input precision for float32 operands: inputs in float32 use exact ("ieee") products;
@@ -68,50 +69,58 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 @triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      STORE_P: tl.constexpr, PREC: tl.constexpr):
-    """Rows [r0, r0 + BC) of M (strict) and P (inclusive, every query head of the group), KDA."""
+                      BK: tl.constexpr, PREC: tl.constexpr):
+    """KDA: rows [r0, r0 + BC) of M (role 0: x = k, j < i) or of P (role 1 + iq: x = q of the group's
+    query head iq, j <= i), M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc).
+    Off-diagonal sub-blocks: one tl.dot against the reference row r0 (both exponents <= 0);
+    the BC x BC diagonal block: an elementwise [BC, BC, BK] product, K in blocks of BK."""
     NS: tl.constexpr = BT // BC
-    i_tc = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_tc, role = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     Hq = H * NG
     i_t, i_i = i_tc // NS, i_tc % NS
     t0 = i_t * BT
     r0 = t0 + i_i * BC
-    ri = r0 + tl.arange(0, BC)
+    oc = tl.arange(0, BC)
+    ri = r0 + oc
     ra = t0 + tl.arange(0, BT)
-    ck = tl.arange(0, K)
+    la = tl.arange(0, BT)
+    lb = i_i * BC + oc
+    imask = (ri < T)[:, None]
+    amask = (ra < T)[:, None]
     Gb = Gc + i_bh * Tp * K
-    G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
-    G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
-    g_r = tl.load(Gb + r0 * K + ck)
-    k_i = tl.load(k + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :], mask=(ri < T)[:, None], other=0.).to(tl.float32)
-    k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ck[None, :], mask=(ra < T)[:, None], other=0.).to(tl.float32)
+    kb = k + (i_b * T * H + i_h) * K
+    if role == 0:
+        xb = k + (i_b * T * H + i_h) * K
+        xs = H * K
+    else:
+        xb = q + (i_b * T * Hq + i_h * NG + role - 1) * K
+        xs = Hq * K
     jm = (ra < r0)[:, None]
-    k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
-    e_i = tl.exp(G_i - g_r[None, :])
-    m = tl.dot(k_i * e_i, tl.trans(k_r), input_precision=PREC)
-    for jj in range(BC):
-        j = r0 + jj
-        k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
-        g_j = tl.load(Gb + j * K + ck)
-        sm = (ri > j)[:, None]
-        col = tl.sum(tl.where(sm, k_i * k_j[None, :] * tl.exp(tl.where(sm, G_i - g_j[None, :], 0.)), 0.), 1)
-        m = tl.where(ra[None, :] == j, col[:, None], m)
-    tl.store(M + (i_bh * Tp + ri[:, None]) * BT + tl.arange(0, BT)[None, :], m)
-    if STORE_P:
-        for iq in range(NG):
-            i_hq = i_h * NG + iq
-            q_i = tl.load(q + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :], mask=(ri < T)[:, None], other=0.).to(tl.float32)
-            p = tl.dot(q_i * e_i, tl.trans(k_r), input_precision=PREC)
-            for jj in range(BC):
-                j = r0 + jj
-                k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
-                g_j = tl.load(Gb + j * K + ck)
-                cm = (ri >= j)[:, None]
-                col = tl.sum(tl.where(cm, q_i * k_j[None, :] * tl.exp(tl.where(cm, G_i - g_j[None, :], 0.)), 0.), 1)
-                p = tl.where(ra[None, :] == j, col[:, None], p)
-            tl.store(P + ((i_b * Hq + i_hq) * Tp + ri[:, None]) * BT + tl.arange(0, BT)[None, :], p)
+    m2 = (oc[:, None] > oc[None, :]) | ((oc[:, None] == oc[None, :]) & (role > 0))
+    m3 = m2[:, :, None]
+    acc = tl.zeros([BC, BT], dtype=tl.float32)
+    accd = tl.zeros([BC, BC], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        ck = kk + tl.arange(0, BK)
+        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+        G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+        g_r = tl.load(Gb + r0 * K + ck)
+        x_i = tl.load(xb + ri[:, None] * xs + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+        k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
+        acc += tl.dot(x_i * tl.exp(G_i - g_r[None, :]), tl.trans(k_r), input_precision=PREC)
+        e3 = tl.exp(tl.where(m3, G_i[:, None, :] - G_i[None, :, :], 0.))
+        accd += tl.sum(tl.where(m3, x_i[:, None, :] * k_i[None, :, :] * e3, 0.), 2)
+    if role == 0:
+        ob = M + (i_bh * Tp + ri) * BT
+    else:
+        ob = P + ((i_b * Hq + i_h * NG + role - 1) * Tp + ri) * BT
+    offd = (la < i_i * BC) | (la >= i_i * BC + BC)
+    tl.store(ob[:, None] + la[None, :], acc, mask=offd[None, :])
+    tl.store(ob[:, None] + lb[None, :], accd)
 
 
 @triton.jit
@@ -126,42 +135,153 @@ def _gdn_decay(G, STRICT: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, T, Tp, H, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, STORE_T: tl.constexpr,
-                     PREC: tl.constexpr):
-    """T = (I + diag(beta) M)^-1 by forward substitution; W = T (beta exp(G) k); U = T (beta v)."""
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o = tl.arange(0, BT)
-    rows = i_t * BT + o
-    rmask = rows < T
-    ck = tl.arange(0, K)
-    k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
-    b_c = tl.load(beta + (i_b * T + rows) * H + i_h, mask=rmask, other=0.).to(tl.float32)
-    if PER_CHANNEL:
-        G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
-        m = tl.load(M + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
-        eg = tl.exp(G)
-    else:
-        G = tl.load(Gc + i_bh * Tp + rows)
-        m = tl.dot(k_c, tl.trans(k_c), input_precision=PREC) * _gdn_decay(G, True, BT)
-        eg = tl.exp(G)[:, None]
-    a = b_c[:, None] * m
+def _rows(x, i_b, i_h, T, H, r0, D: tl.constexpr, BR: tl.constexpr):
+    """Rows [r0, r0 + BR) of an input [B, T, H, D] (zeros past T), as float32."""
+    r = r0 + tl.arange(0, BR)
+    c = tl.arange(0, D)
+    return tl.load(x + ((i_b * T + r[:, None]) * H + i_h) * D + c[None, :], mask=(r < T)[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _inv_unit_lower(a, BC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower-triangular BC x BC block, by forward substitution."""
+    o = tl.arange(0, BC)
     tm = tl.where(o[:, None] == o[None, :], 1., 0.)
-    for i in range(1, BT):
+    for i in range(1, BC):
         a_i = tl.sum(tl.where(o[:, None] == i, a, 0.), 0)
         t_i = tl.sum(a_i[:, None] * tm, 0)
         tm = tl.where(o[:, None] == i, tm - t_i[None, :], tm)
+    return tm
+
+
+@triton.jit
+def _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, I: tl.constexpr, J: tl.constexpr, K: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """Sub-block (I, J) of A = diag(beta) M (strictly lower when I == J)."""
+    oc = tl.arange(0, BC)
+    ri = t0 + I * BC + oc
+    if PER_CHANNEL:
+        m = tl.load(M + (i_bh * Tp + ri[:, None]) * BT + J * BC + oc[None, :])
+    else:
+        rj = t0 + J * BC + oc
+        k_i = _rows(k, i_b, i_h, T, H, t0 + I * BC, K, BC)
+        k_j = _rows(k, i_b, i_h, T, H, t0 + J * BC, K, BC)
+        g_i = tl.load(Gc + i_bh * Tp + ri)
+        g_j = tl.load(Gc + i_bh * Tp + rj)
+        msk = ri[:, None] > rj[None, :]
+        m = tl.where(msk, tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
+                     * tl.exp(tl.where(msk, g_i[:, None] - g_j[None, :], 0.)), 0.)
+    b_i = tl.load(beta + (i_b * T + ri) * H + i_h, mask=ri < T, other=0.).to(tl.float32)
+    return b_i[:, None] * m
+
+
+@triton.jit
+def _kg_block(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, r0, K: tl.constexpr, BC: tl.constexpr,
+              PER_CHANNEL: tl.constexpr):
+    """beta * exp(G) * k on rows [r0, r0 + BC)."""
+    r = r0 + tl.arange(0, BC)
+    k_i = _rows(k, i_b, i_h, T, H, r0, K, BC)
+    b_i = tl.load(beta + (i_b * T + r) * H + i_h, mask=r < T, other=0.).to(tl.float32)
+    if PER_CHANNEL:
+        ck = tl.arange(0, K)
+        eg = tl.exp(tl.load(Gc + (i_bh * Tp + r[:, None]) * K + ck[None, :]))
+    else:
+        eg = tl.exp(tl.load(Gc + i_bh * Tp + r))[:, None]
+    return b_i[:, None] * eg * k_i
+
+
+@triton.jit
+def _bv_block(v, beta, i_b, i_h, T, H, r0, cv, V: tl.constexpr, BC: tl.constexpr):
+    r = r0 + tl.arange(0, BC)
+    v_i = tl.load(v + ((i_b * T + r[:, None]) * H + i_h) * V + cv[None, :], mask=(r < T)[:, None], other=0.).to(tl.float32)
+    b_i = tl.load(beta + (i_b * T + r) * H + i_h, mask=r < T, other=0.).to(tl.float32)
+    return b_i[:, None] * v_i
+
+
+@triton.jit
+def _store_blk(ptr, i_bh, Tp, t0, I: tl.constexpr, J: tl.constexpr, x, BT: tl.constexpr, BC: tl.constexpr):
+    oc = tl.arange(0, BC)
+    tl.store(ptr + (i_bh * Tp + t0 + I * BC + oc[:, None]) * BT + J * BC + oc[None, :], x)
+
+
+@triton.jit
+def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, T, Tp, H, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     STORE_T: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + diag(beta) M)^-1 blockwise (BT = 4 BC: diagonal BC-blocks by forward substitution, then
+    T_IJ = -T_II sum_{J <= L < I} A_IL T_LJ); W = T (beta exp(G) k); U = T (beta v)."""
+    tl.static_assert(BT == 4 * BC)
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    a00 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 0, 0, K, BT, BC, PER_CHANNEL, PREC)
+    a11 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 1, 1, K, BT, BC, PER_CHANNEL, PREC)
+    a22 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 2, 2, K, BT, BC, PER_CHANNEL, PREC)
+    a33 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 3, K, BT, BC, PER_CHANNEL, PREC)
+    a10 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 1, 0, K, BT, BC, PER_CHANNEL, PREC)
+    a20 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 2, 0, K, BT, BC, PER_CHANNEL, PREC)
+    a21 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 2, 1, K, BT, BC, PER_CHANNEL, PREC)
+    a30 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 0, K, BT, BC, PER_CHANNEL, PREC)
+    a31 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 1, K, BT, BC, PER_CHANNEL, PREC)
+    a32 = _a_block(k, beta, Gc, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 2, K, BT, BC, PER_CHANNEL, PREC)
+    t00 = _inv_unit_lower(a00, BC)
+    t11 = _inv_unit_lower(a11, BC)
+    t22 = _inv_unit_lower(a22, BC)
+    t33 = _inv_unit_lower(a33, BC)
+    t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision=PREC), input_precision=PREC)
+    t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision=PREC), input_precision=PREC)
+    t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision=PREC), input_precision=PREC)
+    t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision=PREC) + tl.dot(a21, t10, input_precision=PREC),
+                  input_precision=PREC)
+    t31 = -tl.dot(t33, tl.dot(a31, t11, input_precision=PREC) + tl.dot(a32, t21, input_precision=PREC),
+                  input_precision=PREC)
+    t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=PREC) + tl.dot(a31, t10, input_precision=PREC)
+                  + tl.dot(a32, t20, input_precision=PREC), input_precision=PREC)
     if STORE_T:
-        tl.store(Tinv + (i_bh * Tp + rows[:, None]) * BT + o[None, :], tm)
-    w = tl.dot(tm, b_c[:, None] * eg * k_c, input_precision=PREC)
-    tl.store(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :], w)
+        z = tl.zeros([BC, BC], dtype=tl.float32)
+        _store_blk(Tinv, i_bh, Tp, t0, 0, 0, t00, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 0, 1, z, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 0, 2, z, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 0, 3, z, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 1, 0, t10, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 1, 1, t11, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 1, 2, z, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 1, 3, z, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 2, 0, t20, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 2, 1, t21, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 2, 2, t22, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 2, 3, z, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 3, 0, t30, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 3, 1, t31, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 3, 2, t32, BT, BC)
+        _store_blk(Tinv, i_bh, Tp, t0, 3, 3, t33, BT, BC)
+    oc = tl.arange(0, BC)
+    ck = tl.arange(0, K)
+    kg0 = _kg_block(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0, K, BC, PER_CHANNEL)
+    kg1 = _kg_block(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + BC, K, BC, PER_CHANNEL)
+    kg2 = _kg_block(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + 2 * BC, K, BC, PER_CHANNEL)
+    kg3 = _kg_block(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + 3 * BC, K, BC, PER_CHANNEL)
+    wb = W + (i_bh * Tp + t0 + oc[:, None]) * K + ck[None, :]
+    tl.store(wb, tl.dot(t00, kg0, input_precision=PREC))
+    tl.store(wb + BC * K, tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC))
+    tl.store(wb + 2 * BC * K, tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC)
+             + tl.dot(t22, kg2, input_precision=PREC))
+    tl.store(wb + 3 * BC * K, tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC)
+             + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC))
     for i_v in range(0, V, BV):
         cv = i_v + tl.arange(0, BV)
-        v_c = tl.load(v + ((i_b * T + rows[:, None]) * H + i_h) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
-        u = tl.dot(tm, b_c[:, None] * v_c, input_precision=PREC)
-        tl.store(U + (i_bh * Tp + rows[:, None]) * V + cv[None, :], u)
+        bv0 = _bv_block(v, beta, i_b, i_h, T, H, t0, cv, V, BC)
+        bv1 = _bv_block(v, beta, i_b, i_h, T, H, t0 + BC, cv, V, BC)
+        bv2 = _bv_block(v, beta, i_b, i_h, T, H, t0 + 2 * BC, cv, V, BC)
+        bv3 = _bv_block(v, beta, i_b, i_h, T, H, t0 + 3 * BC, cv, V, BC)
+        ub = U + (i_bh * Tp + t0 + oc[:, None]) * V + cv[None, :]
+        tl.store(ub, tl.dot(t00, bv0, input_precision=PREC))
+        tl.store(ub + BC * V, tl.dot(t10, bv0, input_precision=PREC) + tl.dot(t11, bv1, input_precision=PREC))
+        tl.store(ub + 2 * BC * V, tl.dot(t20, bv0, input_precision=PREC) + tl.dot(t21, bv1, input_precision=PREC)
+                 + tl.dot(t22, bv2, input_precision=PREC))
+        tl.store(ub + 3 * BC * V, tl.dot(t30, bv0, input_precision=PREC) + tl.dot(t31, bv1, input_precision=PREC)
+                 + tl.dot(t32, bv2, input_precision=PREC) + tl.dot(t33, bv3, input_precision=PREC))
 
 
 @triton.jit
@@ -474,9 +594,10 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
 
 @triton.jit
 def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
-                          BC: tl.constexpr, PREC: tl.constexpr):
+                          BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP) for the rows
-    of one sub-chunk, both in their row role (i) and their column role (j)."""
+    of one sub-chunk, in their row role (i: reference row r0) and their column role (j: reference row
+    r0 + BC - 1); diagonal blocks elementwise over [BC, BC, BK]. Adds into dq, dk and dG."""
     NS: tl.constexpr = BT // BC
     i_tc = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -486,81 +607,61 @@ def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.cons
     t0 = i_t * BT
     r0 = t0 + i_i * BC
     r1 = r0 + BC - 1
-    ri = r0 + tl.arange(0, BC)
+    oc = tl.arange(0, BC)
+    ri = r0 + oc
     ra = t0 + tl.arange(0, BT)
-    lb = i_i * BC + tl.arange(0, BC)          # the block's columns, local to the chunk
+    lb = i_i * BC + oc
     la = tl.arange(0, BT)
-    imask = ri < T
-    ck = tl.arange(0, K)
+    imask = (ri < T)[:, None]
+    amask = (ra < T)[:, None]
     Gb = Gc + i_bh * Tp * K
-    G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
-    G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
-    g_r = tl.load(Gb + r0 * K + ck)            # row-role reference: first row of the block
-    g_r1 = tl.load(Gb + r1 * K + ck)           # column-role reference: last row of the block
-    k_i = tl.load(k + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :], mask=imask[:, None], other=0.).to(tl.float32)
-    k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ck[None, :], mask=(ra < T)[:, None], other=0.).to(tl.float32)
+    kb = k + (i_b * T * H + i_h) * K
     jm = (ra < r0)[:, None]
     im = (ra > r1)[:, None]
-    e_i = tl.exp(G_i - g_r[None, :])
-    e_c = tl.exp(g_r1[None, :] - G_i)
-    k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
-    k_c1 = tl.where(im, k_a * tl.exp(tl.where(im, G_a - g_r1[None, :], 0.)), 0.)
+    m3 = (oc[:, None] >= oc[None, :])[:, :, None]
     mb = dM + i_bh * Tp * BT
-    # ---- dM, row role: dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j)
     dm_i = tl.load(mb + ri[:, None] * BT + la[None, :])
-    dkr = e_i * tl.dot(dm_i, k_r, input_precision=PREC)
-    # ---- dM, column role: dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
     dm_c = tl.load(mb + ra[:, None] * BT + lb[None, :])
-    dkc = e_c * tl.dot(tl.trans(dm_c), k_c1, input_precision=PREC)
-    for jj in range(BC):
-        j = r0 + jj
-        k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
-        g_j = tl.load(Gb + j * K + ck)
-        # row role, column j of the block
-        dcol = tl.load(mb + ri * BT + (j - t0))
-        cm = (ri >= j)[:, None]
-        dkr += dcol[:, None] * k_j[None, :] * tl.exp(tl.where(cm, G_i - g_j[None, :], 0.))
-        # column role, row j (= i) of the block
-        drow = tl.load(mb + j * BT + lb)
-        rm = (ri <= j)[:, None]
-        dkc += drow[:, None] * k_j[None, :] * tl.exp(tl.where(rm, g_j[None, :] - G_i, 0.))
-    dk_add = dkr + dkc
-    dg_add = k_i * (dkr - dkc)
-    # ---- dP for every query head of the group
-    dkb = tl.zeros([BC, K], dtype=tl.float32)
-    for iq in range(NG):
-        i_hq = i_h * NG + iq
-        qoff = (i_b * T) * Hq + i_hq
-        pb = dP + (i_b * Hq + i_hq) * Tp * BT
-        q_i = tl.load(q + (qoff + ri[:, None] * Hq) * K + ck[None, :], mask=imask[:, None], other=0.).to(tl.float32)
-        q_a = tl.load(q + (qoff + ra[:, None] * Hq) * K + ck[None, :], mask=(ra < T)[:, None], other=0.).to(tl.float32)
-        q_c1 = tl.where(im, q_a * tl.exp(tl.where(im, G_a - g_r1[None, :], 0.)), 0.)
-        dp_i = tl.load(pb + ri[:, None] * BT + la[None, :])
-        dqb = e_i * tl.dot(dp_i, k_r, input_precision=PREC)
-        dp_c = tl.load(pb + ra[:, None] * BT + lb[None, :])
-        dkb += e_c * tl.dot(tl.trans(dp_c), q_c1, input_precision=PREC)
-        for jj in range(BC):
-            j = r0 + jj
-            k_j = tl.load(k + ((i_b * T + j) * H + i_h) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
-            q_j = tl.load(q + (qoff + j * Hq) * K + ck, mask=(ck < K) & (j < T), other=0.).to(tl.float32)
-            g_j = tl.load(Gb + j * K + ck)
-            dcol = tl.load(pb + ri * BT + (j - t0))
-            cm = (ri >= j)[:, None]
-            dqb += dcol[:, None] * k_j[None, :] * tl.exp(tl.where(cm, G_i - g_j[None, :], 0.))
-            drow = tl.load(pb + j * BT + lb)
-            rm = (ri <= j)[:, None]
-            dkb += drow[:, None] * q_j[None, :] * tl.exp(tl.where(rm, g_j[None, :] - G_i, 0.))
-        dq_ptr = dq + (qoff + ri[:, None] * Hq) * K + ck[None, :]
-        dq_prev = tl.load(dq_ptr, mask=imask[:, None], other=0.)
-        tl.store(dq_ptr, dq_prev + dqb, mask=imask[:, None])
-        dg_add += q_i * dqb
-    dk_add += dkb
-    dg_add -= k_i * dkb
-    dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
-    dk_prev = tl.load(dk_ptr, mask=imask[:, None], other=0.)
-    tl.store(dk_ptr, dk_prev + dk_add, mask=imask[:, None])
-    dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
-    tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
+    dm_d = tl.load(mb + ri[:, None] * BT + lb[None, :])
+    for kk in range(0, K, BK):
+        ck = kk + tl.arange(0, BK)
+        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+        G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+        g_r = tl.load(Gb + r0 * K + ck)
+        g_r1 = tl.load(Gb + r1 * K + ck)
+        k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+        e_i = tl.exp(G_i - g_r[None, :])
+        e_c = tl.exp(g_r1[None, :] - G_i)
+        k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
+        e_a1 = tl.exp(tl.where(im, G_a - g_r1[None, :], 0.))
+        k_c1 = tl.where(im, k_a * e_a1, 0.)
+        e3 = tl.where(m3, tl.exp(tl.where(m3, G_i[:, None, :] - G_i[None, :, :], 0.)), 0.)
+        # M: row role  dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);  column role  dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
+        dkr = e_i * tl.dot(dm_i, k_r, input_precision=PREC) + tl.sum(dm_d[:, :, None] * k_i[None, :, :] * e3, 1)
+        dkc = e_c * tl.dot(tl.trans(dm_c), k_c1, input_precision=PREC) + tl.sum(dm_d[:, :, None] * k_i[:, None, :] * e3, 0)
+        dk_add = dkr + dkc
+        dg_add = k_i * (dkr - dkc)
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            qb = q + (i_b * T * Hq + i_hq) * K
+            pb = dP + (i_b * Hq + i_hq) * Tp * BT
+            dp_i = tl.load(pb + ri[:, None] * BT + la[None, :])
+            dp_c = tl.load(pb + ra[:, None] * BT + lb[None, :])
+            dp_d = tl.load(pb + ri[:, None] * BT + lb[None, :])
+            q_i = tl.load(qb + ri[:, None] * (Hq * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            q_a = tl.load(qb + ra[:, None] * (Hq * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+            q_c1 = tl.where(im, q_a * e_a1, 0.)
+            dqb = e_i * tl.dot(dp_i, k_r, input_precision=PREC) + tl.sum(dp_d[:, :, None] * k_i[None, :, :] * e3, 1)
+            dkb = e_c * tl.dot(tl.trans(dp_c), q_c1, input_precision=PREC) + tl.sum(dp_d[:, :, None] * q_i[:, None, :] * e3, 0)
+            dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
+            tl.store(dq_ptr, tl.load(dq_ptr, mask=imask, other=0.) + dqb, mask=imask)
+            dk_add += dkb
+            dg_add += q_i * dqb - k_i * dkb
+        dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
+        tl.store(dk_ptr, tl.load(dk_ptr, mask=imask, other=0.) + dk_add, mask=imask)
+        dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
+        tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
 
 
 @triton.jit
@@ -609,13 +710,13 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward):
     if per_channel:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
-        _kda_intra_kernel[(NT * (BT // BC), B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                    STORE_P=True, PREC=prec, **kw)
+        _kda_intra_kernel[(NT * (BT // BC), 1 + NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                            BK=min(KDA_DIAG_BK, K), PREC=prec, **kw)
     Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if for_backward else None
     W = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     U = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
     _solve_wy_kernel[(NT, B * H)](k, v, beta, Gc, M if M is not None else Gc, Tinv if Tinv is not None else W, W, U,
-                                  T, Tp, H, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel,
+                                  T, Tp, H, K=K, V=V, BT=BT, BC=BC, BV=BV, PER_CHANNEL=per_channel,
                                   STORE_T=for_backward, PREC=prec, **kw)
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     Vp = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
@@ -675,7 +776,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel):
                                 PREC=prec, **kw)
     if per_channel:
         _kda_intra_bwd_kernel[(NT * (BT // BC), B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT,
-                                                        BC=BC, PREC=prec, **kw)
+                                                        BC=BC, BK=min(KDA_DIAG_BK, K), PREC=prec, **kw)
     dg = torch.empty(g.shape, device=dev, dtype=f32)
     _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, num_warps=NUM_WARPS)
     return dq, dk, dv, dg, dbeta, dh0

@@ -52,7 +52,7 @@ def recurrent_delta_rule_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    HQ: tl.constexpr = H * GROUP
+    HQ = H * GROUP
 
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -179,7 +179,7 @@ def fused_recurrent_delta_rule(
     if scale is None:
         scale = K ** -0.5
 
-    o = v.new_empty(B, T, HQ, V)
+    o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=v.device)
     if inplace_state:
         final_state = initial_state
     elif output_final_state:

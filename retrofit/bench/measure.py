@@ -83,7 +83,9 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
                                 max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1,
                                 logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
                                 pad_token_id=0, temperature=None, top_p=None, top_k=None)
-    cache_bytes = tensor_bytes(getattr(output, "past_key_values", None))
+    cache = output.cache if "cache" in output else output.get("past_key_values")  # renamed in transformers 5
+    cache_bytes = tensor_bytes(cache)
+    del cache
     del output
     prefill = clock.stamps[0] - began
     decode = (clock.stamps[-1] - clock.stamps[0]) / decode_tokens if decode_tokens else float("nan")

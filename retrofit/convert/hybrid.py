@@ -145,11 +145,11 @@ def hybrid_config(dense_config, section: HybridSection):
     return config_class(section.base_model_type)(**values, retrofit=section.to_dict(), layer_types=layer_types)
 
 
-def to_hybrid(dense_model, section: HybridSection):
-    """A hybrid model sharing every non-converted weight with ``dense_model`` (no copy), its converted layers
-    initialised from the dense attention weights (:func:`retrofit.convert.init.init_from_attention`).
-
-    The dense model is left untouched (its attention modules are not moved).
+def to_hybrid(dense_model, section: HybridSection, share_weights: bool = True):
+    """A hybrid model whose converted layers are initialised from the dense attention weights
+    (:func:`retrofit.convert.init.init_from_attention`) and whose other weights are the dense model's: shared
+    (no copy) when ``share_weights``, else cloned (needed when the hybrid's weights will be changed in place, e.g.
+    by merging LoRA, while the dense model is still in use). The dense model is left untouched.
     """
     import torch
 
@@ -161,7 +161,7 @@ def to_hybrid(dense_model, section: HybridSection):
     with torch.device("meta"):
         hybrid = model_class(section.base_model_type)(config)
     converted = set(section.layers)
-    state = {k: v for k, v in dense_model.state_dict().items()
+    state = {k: (v if share_weights else v.clone()) for k, v in dense_model.state_dict().items()
              if not _in_converted_attention(k, converted)}
     missing, unexpected = hybrid.load_state_dict(state, strict=False, assign=True)
     if unexpected:
@@ -179,9 +179,7 @@ def to_hybrid(dense_model, section: HybridSection):
             module = hybrid.get_submodule(module_name)
             if name not in dense_buffers:
                 raise RuntimeError(f"hybrid weight {name} has no source in the dense model")
-            module._buffers[attr] = dense_buffers[name]
-            if hasattr(module, "original_inv_freq") and attr == "inv_freq":
-                module.original_inv_freq = dense_buffers[name]
+            module._buffers[attr] = dense_buffers[name] if share_weights else dense_buffers[name].clone()
     if getattr(config, "tie_word_embeddings", False):
         hybrid.tie_weights()
     return hybrid.eval() if not dense_model.training else hybrid

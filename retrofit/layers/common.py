@@ -2,6 +2,8 @@
 the gated output norm, padding masks and the generation-cache plumbing for linear-attention states."""
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -74,14 +76,66 @@ class AttentionShape:
                    bool(getattr(config, "attention_bias", False)))
 
 
+_KERNEL_MODULES = {
+    "chunk_gated_delta_rule": "retrofit.kernels.gated_delta_rule.chunk",
+    "chunk_kda": "retrofit.kernels.kda.chunk",
+}
+
+
 def kernel(name: str):
     """The Triton kernel ``retrofit.kernels.<name>`` (looked up at call time: the kernel package is imported lazily)."""
+    import importlib
+
     import retrofit.kernels as kernels
 
+    found = getattr(kernels, name, None)
+    if found is None and name in _KERNEL_MODULES:
+        found = getattr(importlib.import_module(_KERNEL_MODULES[name]), name, None)
+    if found is None:
+        raise RuntimeError(f"retrofit.kernels has no {name}: the kernel package is incomplete")
+    return found
+
+
+BACKENDS = ("auto", "triton", "torch")
+_backend_override: list[str] = []
+
+
+def linear_backend(device: torch.device) -> str:
+    """Which implementation the converted layers run: ``triton`` (the project's kernels) or ``torch``.
+
+    ``auto`` (default; ``RETROFIT_LINEAR_BACKEND`` or :func:`use_backend` override it) picks Triton on CUDA and the
+    PyTorch chunked form on CPU, where Triton only has its (very slow) interpreter.
+    """
+    choice = _backend_override[-1] if _backend_override else os.environ.get("RETROFIT_LINEAR_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"RETROFIT_LINEAR_BACKEND must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return choice
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force the converted layers' backend (``triton``, ``torch`` or ``auto``) inside a ``with`` block."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    _backend_override.append(name)
     try:
-        return getattr(kernels, name)
-    except AttributeError:
-        raise RuntimeError(f"retrofit.kernels has no {name}: the kernel package is incomplete") from None
+        yield
+    finally:
+        _backend_override.pop()
+
+
+def delta_rule_op(per_channel: bool, decode: bool, device: torch.device):
+    """The delta-rule function for this call: Triton chunk (prefill/training) or recurrent (decode) kernels, or the
+    PyTorch chunked form; all share the signature ``(q, k, v, g, beta, scale, initial_state, output_final_state)``."""
+    if linear_backend(device) == "torch":
+        from retrofit.layers.torch_chunk import chunk_delta_rule_torch
+
+        return chunk_delta_rule_torch
+    if decode:
+        return kernel("fused_recurrent_kda" if per_channel else "fused_recurrent_gated_delta_rule")
+    return kernel("chunk_kda" if per_channel else "chunk_gated_delta_rule")
 
 
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -120,12 +174,14 @@ class ShortConvolution(nn.Module):
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, decode: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[B, T, D]`` -> (silu(conv(x)) ``[B, T, D]``, new state ``[B, D, W-1]``)."""
+        prefix = "naive_" if linear_backend(x.device) == "torch" else ""
+        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
         if decode and state is not None and x.shape[1] == 1:
             state = state.clone()
-            y = kernel("causal_conv1d_update")(x[:, 0], state, self.weight.to(x.dtype), self.bias.to(x.dtype), "silu")
-            return y[:, None], state
-        y, new_state = kernel("causal_conv1d")(x, self.weight.to(x.dtype), self.bias.to(x.dtype), activation="silu",
-                                               initial_state=state, output_final_state=True)
+            y = kernel(prefix + "causal_conv1d_update")(x[:, 0], state, weight, bias, "silu")
+            return y.reshape(x.shape), state
+        y, new_state = kernel(prefix + "causal_conv1d")(x, weight, bias, activation="silu", initial_state=state,
+                                                        output_final_state=True)
         return y, new_state
 
 

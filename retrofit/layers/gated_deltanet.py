@@ -18,8 +18,8 @@ from retrofit.layers.common import (
     LinearAttentionSpec,
     ShortConvolution,
     cache_states,
+    delta_rule_op,
     init_decay,
-    kernel,
     l2_normalize,
     padding_mask,
     rotate,
@@ -40,8 +40,6 @@ class GatedDeltaNetAttention(nn.Module):
     """
 
     layer_kind = retrofit_layer_type = "gdn"
-    chunk_kernel = "chunk_gated_delta_rule"
-    recurrent_kernel = "fused_recurrent_gated_delta_rule"
 
     def __init__(self, shape: AttentionShape, layer_idx: int, spec: LinearAttentionSpec | None = None):
         super().__init__()
@@ -128,7 +126,7 @@ class GatedDeltaNetAttention(nn.Module):
         if keep is not None:
             beta = beta * keep[..., None]
             g = g * (keep[..., None, None] if g.dim() == 4 else keep[..., None])
-        run = kernel(self.recurrent_kernel if decode else self.chunk_kernel)
+        run = delta_rule_op(g.dim() == 4, decode, x.device)
         o, recurrent_state = run(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None)
         if cache is not None:
             store_states(cache, self.layer_idx, conv_state, recurrent_state)

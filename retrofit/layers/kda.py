@@ -18,8 +18,6 @@ class KimiDeltaAttention(GatedDeltaNetAttention):
     """KDA layer; same constructor, forward signature and cache layout as :class:`GatedDeltaNetAttention`."""
 
     layer_kind = retrofit_layer_type = "kda"
-    chunk_kernel = "chunk_kda"
-    recurrent_kernel = "fused_recurrent_kda"
 
     def _build_gates(self) -> None:
         hidden, hq, hk, d = self.shape.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim

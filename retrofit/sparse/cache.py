@@ -63,11 +63,13 @@ class SparseLayer(CacheLayerMixin):
         """Whether this layer's per-step kernels run in Triton (CUDA or forced) or as the PyTorch reference."""
         return self.kernel == "triton" or (self.kernel == "auto" and tensor.is_cuda)
 
-    def reserve(self, needed: int) -> None:
-        """Grow the buffers (geometrically) to hold at least ``needed`` positions."""
+    def reserve(self, needed: int, limit: int | None = None) -> None:
+        """Grow the buffers (geometrically, never past ``limit``) to hold at least ``needed`` positions."""
         if needed <= self.capacity:
             return
         new_capacity = max(needed, 2 * self.capacity, _GROW_MIN)
+        if limit is not None:
+            new_capacity = max(needed, min(new_capacity, limit))
         for name in ("keys", "values"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])

@@ -35,6 +35,7 @@ CASES = [
     pytest.param(3, 75, 24, 3, "silu", False, True, id="T75-D24-W3-silu-init"),
     pytest.param(2, 2, 16, 4, "silu", True, True, id="T2-shorter-than-window"),
     pytest.param(1, 63, 16, 2, None, True, False, id="T63-W2-linear-bias"),
+    pytest.param(1, 63, 16, 1, "silu", True, True, id="T63-W1-pointwise-empty-state"),
 ]
 
 
@@ -95,6 +96,8 @@ def test_bad_inputs_raise_clear_errors():
         causal_conv1d(x, weight, b, "silu", state[:, :, :2])
     with pytest.raises(ValueError, match="conv_state"):
         causal_conv1d_update(x[:, 0], state[:, :, :2].contiguous(), weight, b)
+    with pytest.raises(ValueError, match="W >= 2"):
+        causal_conv1d_update(x[:, 0], state[:, :, :0].contiguous(), weight[:, :1].contiguous(), b)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,93 @@
+"""`retrofit bench`: prefill/decode latency, tokens/s and memory versus context length and batch size."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from retrofit.errors import RetrofitError
+
+BENCH_HELP = """Measure prefill latency, decode latency per token, tokens/s, peak memory really allocated and the
+bytes held by the KV/state cache, for dense MODEL_OR_CONFIG and each variant, at every --context x --batch.
+
+\b
+MODEL_OR_CONFIG: a model (directory, .gguf, hub id, alias smollm2-135m) or a config
+  name built with random weights in the target dtype directly on the device:
+  llama3-8b, qwen2.5-7b, smollm2-135m  (--layers N keeps the first N layers)
+\b
+Variants (dense always runs first):
+  --sparse quest --budget 1024 [--sparse-arg page_size=16]   (repeatable)
+  --variant "quest:budget=1024,page_size=16"                  (repeatable)
+  --hybrid DIR                                                (repeatable)
+\b
+Examples:
+  retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 --json bench.json
+  retrofit bench smollm2-135m --layers 4 --context 256,512 --batch 1,2 --decode-tokens 8
+"""
+
+
+@click.command("bench", help=BENCH_HELP, short_help="Latency, tokens/s and memory vs context length.")
+@click.argument("model_or_config")
+@click.option("--context", "contexts", default="1k,4k,16k", show_default=True,
+              help="Comma-separated prompt lengths in tokens (1k = 1024).")
+@click.option("--batch", "batches", default="1", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--decode-tokens", type=int, default=32, show_default=True, help="Decode steps timed per point.")
+@click.option("--layers", type=int, default=None, help="Truncate a named config to its first N layers.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA]")
+@click.option("--sparse", "sparse_methods", multiple=True, metavar="METHOD", help="Sparse method (repeatable).")
+@click.option("--budget", "budgets", multiple=True, type=int, metavar="N", help="Token budget (repeatable).")
+@click.option("--sparse-arg", "sparse_args", multiple=True, metavar="KEY=VALUE", help="Extra sparse keyword.")
+@click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
+@click.option("--variant", "variant_specs", multiple=True, metavar="SPEC", help="Variant spec string (repeatable).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
+                  device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
+                  sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
+                  json_path: Path | None) -> None:
+    from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
+    from retrofit.bench.measure import run_bench
+    from retrofit.bench.report import markdown_table
+    from retrofit.eval.command import default_dtype, parse_lengths
+    from retrofit.eval.loglikelihood import max_model_length
+    from retrofit.eval.runner import write_json_atomic
+    from retrofit.eval.variants import variants_from_options
+    from retrofit.load import load, parse_device, parse_dtype
+
+    context_list = list(parse_lengths(contexts, "--context"))
+    batch_list = list(parse_lengths(batches, "--batch"))
+    if decode_tokens <= 0:
+        raise RetrofitError(f"--decode-tokens must be positive, got {decode_tokens}")
+    variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
+                                     list(variant_specs))
+    dtype = dtype or default_dtype(device)
+    torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    built = time.perf_counter()
+    if model_or_config in MODEL_CONFIGS:
+        model, tokenizer = build_random_model(model_or_config, torch_dtype, torch_device, layers), None
+        source = f"config {model_or_config} (random weights)"
+    else:
+        if layers is not None:
+            raise RetrofitError("--layers applies to a config name (llama3-8b, qwen2.5-7b, smollm2-135m) only")
+        model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
+        source = model_or_config
+    build_seconds = time.perf_counter() - built
+    limit = max_model_length(model)
+    for context in context_list:
+        if context + decode_tokens + 1 > limit:
+            raise RetrofitError(f"--context {context} + {decode_tokens + 1} new tokens is over the model's limit of "
+                                f"{limit} positions (max_position_embeddings)")
+    points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens)
+    config = {"model": model_or_config, "source": source, "layers": model.config.num_hidden_layers,
+              "contexts": context_list, "batches": batch_list, "decode_tokens": decode_tokens,
+              "device": str(torch_device), "dtype": dtype, "build_seconds": build_seconds,
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "variants": ["dense"] + [variant.name for variant in variants]}
+    if torch_device.type == "cuda":
+        import torch
+
+        config["gpu"] = torch.cuda.get_device_name(torch_device)
+    if json_path is not None:
+        write_json_atomic(json_path, {"results": [point.to_json() for point in points], "config": config})
+    click.echo(markdown_table(points))

@@ -1,0 +1,38 @@
+"""The Markdown table and JSON of `retrofit bench`."""
+from __future__ import annotations
+
+import math
+
+from retrofit.bench.measure import BenchPoint
+
+GIB = 1024 ** 3
+
+
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def markdown_table(points: list[BenchPoint]) -> str:
+    """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token and tokens/s (with the
+    speed-up over dense at the same point), peak memory, its rise over the start, and cache GiB."""
+    dense = {(p.context, p.batch): p for p in points if p.variant == "dense"}
+    lines = ["| variant | context | batch | prefill s | prefill tok/s | decode ms/tok | decode tok/s | "
+             "vs dense | peak GiB | Δpeak GiB | cache GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for point in points:
+        head = f"| {point.variant} | {_context(point.context)} | {point.batch} |"
+        if point.error:
+            lines.append(head + f" {point.error} |" + " |" * 7)
+            continue
+        reference = dense.get((point.context, point.batch))
+        ratio = (point.decode_tokens_per_s / reference.decode_tokens_per_s
+                 if reference and not reference.error and reference.decode_tokens_per_s > 0 else math.nan)
+        lines.append(head + f" {point.prefill_s:.3f} | {point.prefill_tokens_per_s:,.0f} | "
+                     f"{1000 * point.decode_s_per_token:.2f} | {point.decode_tokens_per_s:,.1f} | {ratio:.2f}x | "
+                     f"{point.peak_bytes / GIB:.2f} | {point.peak_delta_bytes / GIB:.2f} | "
+                     f"{point.cache_bytes / GIB:.3f} |")
+    memory_kind = next((p.memory_kind for p in points if p.memory_kind), "")
+    lines.append("")
+    lines.append(f"peak = highest {memory_kind} bytes during prefill+decode; Δpeak = peak minus the bytes in use "
+                 "before it (weights); cache = bytes held by the returned KV/state cache.")
+    return "\n".join(lines)

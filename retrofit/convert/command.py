@@ -1,0 +1,119 @@
+"""``retrofit convert`` and ``retrofit select`` (click commands; cli.py adds them to the ``retrofit`` group)."""
+from __future__ import annotations
+
+import click
+
+CONVERT_EXAMPLES = """
+\b
+Examples:
+  retrofit convert smollm2-135m --to gdn --layers every:4 --data ../shared/data/calib --tokens 2000000 --out hyb/
+  retrofit convert smollm2-135m --recipe smollm2-135m/cpu-small --data ../shared/data/calib --out hyb/
+  retrofit convert smollm2-135m --recipe recipes/smollm2-135m/gdn-8of30.yaml --data calib/ --out hyb/ --resume
+  torchrun --nproc-per-node 2 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O
+"""
+
+
+@click.command("convert", epilog=CONVERT_EXAMPLES)
+@click.argument("model")
+@click.option("--to", "to", default=None, help="Layer type of the converted layers: gdn (Gated DeltaNet) or kda.")
+@click.option("--layers", default=None,
+              help="Which layers: 0,2,4 | 3-6 | every:K[:OFFSET] (layers K-1, 2K-1, ...) | fraction:F (scored).")
+@click.option("--data", multiple=True, help="Calibration text file or folder (repeatable).")
+@click.option("--tokens", type=int, default=None, help="Calibration token budget (both stages together).")
+@click.option("--out", required=True, type=click.Path(), help="Output directory of the hybrid checkpoint.")
+@click.option("--recipe", default=None, help="YAML recipe (file, or shipped name like smollm2-135m/cpu-small).")
+@click.option("--seq-len", type=int, default=None, help="Tokens per training window.")
+@click.option("--batch-size", type=int, default=None, help="Windows per micro-batch per GPU/process.")
+@click.option("--grad-accum", type=int, default=None, help="Micro-batches per optimizer step.")
+@click.option("--stage1-fraction", type=float, default=None, help="Share of the tokens spent on layer-wise alignment.")
+@click.option("--lr-stage1", type=float, default=None, help="Learning rate of the new layers in stage 1.")
+@click.option("--lr-stage2", type=float, default=None, help="Learning rate of the new layers in stage 2.")
+@click.option("--lr-lora", type=float, default=None, help="Learning rate of LoRA in stage 2.")
+@click.option("--lora-rank", type=int, default=None, help="LoRA rank (0 disables LoRA).")
+@click.option("--ce-weight", type=float, default=None, help="Weight of the cross-entropy added to the KL loss.")
+@click.option("--checkpoint-every", type=int, default=None, help="Optimizer steps between training checkpoints.")
+@click.option("--seed", type=int, default=None, help="Seed of data order and LoRA init.")
+@click.option("--resume", is_flag=True, help="Continue from the last training checkpoint of this --out.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out directory.")
+@click.option("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch_size, grad_accum, stage1_fraction,
+                    lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, resume, overwrite,
+                    device, quiet):
+    """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
+    import time
+
+    from retrofit.convert.pipeline import convert
+
+    start = time.time()
+    path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
+                   resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
+                   seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, stage1_fraction=stage1_fraction,
+                   lr_stage1=lr_stage1, lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank,
+                   ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed)
+    from retrofit.convert.distill import distributed
+
+    if distributed()[0] == 0:
+        import json
+
+        section = json.loads((path / "config.json").read_text())["retrofit"]
+        click.echo("| hybrid | layer type | converted layers | tokens | minutes |")
+        click.echo("|---|---|---|---:|---:|")
+        click.echo(f"| {path} | {section['layer_type']} | {','.join(map(str, section['layers']))} | "
+                   f"{section['distillation'].get('tokens')} | {(time.time() - start) / 60:.1f} |")
+
+
+@click.command("select")
+@click.argument("model")
+@click.option("--fraction", type=float, required=True, help="Fraction of layers to convert (0 < F <= 1).")
+@click.option("--data", multiple=True, required=True, help="Calibration text file or folder (repeatable).")
+@click.option("--to", "to", default="gdn", show_default=True, help="Layer type used for the probe: gdn or kda.")
+@click.option("--tokens", type=int, default=None, help="Calibration tokens for the probe (default: what the steps need).")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per window.")
+@click.option("--align-steps", type=int, default=30, show_default=True, help="Alignment steps (all layers at once).")
+@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per alignment step.")
+@click.option("--probe-windows", type=int, default=8, show_default=True, help="Held-out windows for the KL probe.")
+@click.option("--device", default=None, help="cpu | cuda (default: cuda when available).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows, device, quiet):
+    """Rank MODEL's layers by the cost of converting each one (scored selector) and print the chosen --layers."""
+    from retrofit.convert.data import token_windows
+    from retrofit.errors import RetrofitError
+    from retrofit.layers import LAYER_TYPES
+    from retrofit.load import load, parse_device
+    from retrofit.model_info import attention_layout
+    from retrofit.select import choose, parse_layer_spec, ranking_table, score_layers
+
+    LAYER_TYPES.get(to)
+    parse_layer_spec(f"fraction:{fraction}", 1)
+    if tokens is not None and tokens <= 0:
+        raise RetrofitError(f"--tokens must be > 0, got {tokens}")
+    torch_device = parse_device(device)
+    dense, tokenizer = load(model, dtype="float32", device=torch_device)
+    layout = attention_layout(dense)
+    needed = align_steps * batch_size + probe_windows
+    count = needed if tokens is None else max(probe_windows + 1, tokens // seq_len)
+    windows = token_windows(tokenizer, list(data), count, seq_len, show_progress=not quiet)
+    scores = score_layers(dense, windows, layer_type=to, align_steps=align_steps, batch_size=batch_size,
+                          probe_windows=probe_windows, device=torch_device, show_progress=not quiet)
+    chosen = choose(scores, fraction, layout.num_layers)
+    click.echo(ranking_table(scores, chosen))
+    click.echo(f"\n--layers {','.join(map(str, chosen))}")
+
+
+@click.group()
+def _standalone():
+    """Entry for ``python -m retrofit.convert.command`` (torchrun)."""
+
+
+_standalone.add_command(convert_command)
+_standalone.add_command(select_command)
+
+if __name__ == "__main__":
+    from retrofit.errors import RetrofitError
+
+    try:
+        _standalone(standalone_mode=True)
+    except RetrofitError as err:
+        click.echo(f"error: {err}", err=True)
+        raise SystemExit(2)

@@ -1,0 +1,410 @@
+"""Two-stage distillation of a hybrid from its dense model.
+
+Stage 1 (layer-wise): one teacher pass per batch records the inputs and outputs of every selected attention layer;
+each converted layer is trained to reproduce its attention's output on the same inputs (relative MSE), all layers at
+once. Stage 2 (end to end): the hybrid is trained against the dense model's logits (KL, optional CE) with LoRA on the
+remaining attention and MLP projections (peft) and the new layers trained fully; LoRA is merged at the end.
+
+Runs unchanged under ``torchrun`` (DDP: one process per GPU; batches sharded by rank; rank 0 saves). Checkpoints
+every ``checkpoint_every`` steps; a resumed run ends with the same weights as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from retrofit.convert.checkpoint import (
+    load_train_state,
+    load_trainable_state,
+    rng_state,
+    save_train_state,
+    set_rng_state,
+    trainable_state,
+)
+from retrofit.convert.data import BatchSampler
+
+
+@dataclass
+class DistillConfig:
+    """Distillation hyper-parameters (recipe keys of the same names; CLI options override them).
+
+    Attributes:
+        tokens: calibration tokens processed in total (both stages, all ranks).
+        seq_len: tokens per training window.
+        batch_size: windows per micro-batch per rank.
+        grad_accum: micro-batches per optimizer step.
+        stage1_fraction: share of the token budget spent on stage 1 (layer-wise alignment).
+        lr_stage1: learning rate of the new layers in stage 1.
+        lr_stage2: learning rate of the new layers in stage 2.
+        lr_lora: learning rate of the LoRA adapters in stage 2.
+        lora_rank: LoRA rank (0 = no LoRA: stage 2 trains the new layers only).
+        lora_alpha: LoRA alpha.
+        lora_targets: comma list of ``attention`` (q/k/v/o of the layers kept dense) and ``mlp`` (gate/up/down).
+        ce_weight: weight of the next-token cross-entropy added to the KL loss in stage 2.
+        temperature: distillation temperature of the KL loss.
+        warmup: fraction of each stage's steps spent in linear warm-up (then cosine decay to 10%).
+        weight_decay: AdamW weight decay.
+        grad_clip: gradient-norm clip (0 = off).
+        checkpoint_every: optimizer steps between training checkpoints (0 = never).
+        seed: seed of the data order and of the LoRA initialisation.
+        bf16: bf16 autocast (None: on CUDA only).
+    """
+
+    tokens: int = 2_000_000
+    seq_len: int = 512
+    batch_size: int = 8
+    grad_accum: int = 1
+    stage1_fraction: float = 0.25
+    lr_stage1: float = 1e-3
+    lr_stage2: float = 3e-4
+    lr_lora: float = 1e-4
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_targets: str = "attention,mlp"
+    ce_weight: float = 0.0
+    temperature: float = 1.0
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 200
+    seed: int = 0
+    bf16: bool | None = None
+
+    def __post_init__(self):
+        positive = ("tokens", "seq_len", "batch_size", "grad_accum", "lora_alpha")
+        for name in positive:
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("lr_stage1", "lr_stage2", "lr_lora", "temperature"):
+            if float(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("stage1_fraction", "warmup"):
+            if not 0 <= float(getattr(self, name)) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
+            raise ValueError("lora_rank, checkpoint_every and ce_weight must be >= 0")
+        unknown = set(self.lora_target_groups()) - {"attention", "mlp"}
+        if unknown:
+            raise ValueError(f"lora_targets: unknown group(s) {', '.join(sorted(unknown))}; use attention, mlp")
+
+    def lora_target_groups(self) -> list[str]:
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip() and t.strip() != "none"]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Plan:
+    """Steps of each stage for a token budget: one step = ``batch_size * grad_accum * world_size`` windows."""
+
+    stage1_steps: int
+    stage2_steps: int
+    tokens_per_step: int
+
+    @classmethod
+    def from_config(cls, config: DistillConfig, world_size: int = 1) -> "Plan":
+        per_step = config.batch_size * config.grad_accum * world_size * config.seq_len
+        total = max(1, math.ceil(config.tokens / per_step))
+        stage1 = round(total * config.stage1_fraction)
+        if config.stage1_fraction > 0 and stage1 == 0:
+            stage1 = 1
+        return cls(stage1, max(0, total - stage1), per_step)
+
+    def windows_needed(self, config: DistillConfig, world_size: int = 1) -> int:
+        return (self.stage1_steps + self.stage2_steps) * config.batch_size * config.grad_accum * world_size
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without an initialised process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def warmup_cosine(total_steps: int, warmup: float, floor: float = 0.1) -> Callable[[int], float]:
+    warm = max(1, round(total_steps * warmup)) if warmup > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total_steps - warm)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook after the last selected layer: the rest of the teacher pass is not needed."""
+
+
+class AttentionCapture:
+    """Records the inputs (hidden_states, position_embeddings, attention_mask) and outputs of selected attention
+    modules during one forward pass of the dense model, then stops the pass."""
+
+    def __init__(self, model: nn.Module, layers: list[int]):
+        self.layers = sorted(layers)
+        self.records: dict[int, dict] = {}
+        self.handles = []
+        for i in self.layers:
+            attn = model.model.layers[i].self_attn
+            self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(attn.register_forward_hook(self._post(i)))
+
+    def _pre(self, i):
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self.records[i] = {"hidden_states": hidden, "position_embeddings": kwargs.get("position_embeddings"),
+                               "attention_mask": kwargs.get("attention_mask")}
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, output):
+            self.records[i]["target"] = output[0] if isinstance(output, tuple) else output
+            if i == self.layers[-1]:
+                raise _StopForward
+        return hook
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, input_ids: torch.Tensor) -> dict[int, dict]:
+        self.records = {}
+        with contextlib.suppress(_StopForward):
+            model(input_ids=input_ids, use_cache=False)
+        return self.records
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class LayerAligner(nn.Module):
+    """Stage 1 objective: mean over the converted layers of ``||layer(x) - attention(x)||^2 / ||attention(x)||^2``."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        self.converted = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+
+    def forward(self, records: dict[int, dict]) -> torch.Tensor:
+        losses = []
+        for key, layer in self.converted.items():
+            rec = records[int(key)]
+            out = layer(hidden_states=rec["hidden_states"], position_embeddings=rec["position_embeddings"],
+                        attention_mask=rec["attention_mask"])[0]
+            target = rec["target"].float()
+            losses.append(F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(1e-12))
+        return torch.stack(losses).mean()
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean per-token KL(teacher || student) of ``[B, T, V]`` logits at ``temperature`` (scaled by T^2)."""
+    s = F.log_softmax(student_logits.float().flatten(0, 1) / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float().flatten(0, 1) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+def lora_target_names(model: nn.Module, converted: list[int], groups: list[str]) -> list[str]:
+    """Full module names of the projections LoRA adapts: attention q/k/v/o of the layers kept dense, MLP gate/up/down."""
+    names = []
+    wanted = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    for i, layer in enumerate(model.model.layers):
+        if "attention" in groups and i not in converted:
+            names += [f"model.layers.{i}.self_attn.{p}" for p in wanted["attention"]
+                      if isinstance(getattr(layer.self_attn, p, None), nn.Linear)]
+        if "mlp" in groups:
+            names += [f"model.layers.{i}.mlp.{p}" for p in wanted["mlp"] if isinstance(getattr(layer.mlp, p, None), nn.Linear)]
+    return names
+
+
+class Distiller:
+    """Runs stage 1 and stage 2 on a hybrid built from ``dense`` and returns the trained hybrid (LoRA merged).
+
+    ``dense`` and ``hybrid`` must not share parameter storage (LoRA merging writes into the hybrid's weights).
+    ``windows``: ``[N, seq_len]`` calibration token windows. ``work_dir``: where training checkpoints go.
+    ``on_step(stage, step)`` is called after every optimizer step (progress reporting; tests use it to interrupt).
+    """
+
+    def __init__(self, dense: nn.Module, hybrid: nn.Module, layers: list[int], config: DistillConfig,
+                 windows: torch.Tensor, work_dir: Path, fingerprint: dict, device: torch.device,
+                 resume: bool = False, show_progress: bool = True,
+                 on_step: Callable[[int, int], None] | None = None):
+        self.dense, self.hybrid, self.layers, self.config = dense, hybrid, sorted(layers), config
+        self.work_dir, self.device, self.on_step = Path(work_dir), device, on_step
+        self.rank, self.world_size = distributed()
+        self.show_progress = show_progress and self.rank == 0
+        self.plan = Plan.from_config(config, self.world_size)
+        self.fingerprint = fingerprint
+        self.windows = windows
+        self.saved = load_train_state(self.work_dir, fingerprint) if resume else None
+        self.bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
+        self.history: dict[str, list[float]] = {"stage1": [], "stage2": []}
+
+    # ----- shared plumbing -----
+    def _autocast(self):
+        if self.bf16:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sampler(self, stage: int) -> BatchSampler:
+        return BatchSampler(self.windows, self.config.batch_size, seed=self.config.seed * 10 + stage,
+                            rank=self.rank, world_size=self.world_size)
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        if self.world_size == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=False)
+
+    def _optimizer(self, groups: list[dict], steps: int):
+        opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=self.config.weight_decay,
+                                foreach=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, self.config.warmup))
+        return opt, sched
+
+    def _checkpoint(self, stage: int, next_step: int, module: nn.Module, opt, sched) -> None:
+        if self.config.checkpoint_every == 0:
+            return
+        if self.rank == 0:
+            save_train_state(self.work_dir, {
+                "fingerprint": self.fingerprint, "stage": stage, "step": next_step,
+                "model": trainable_state(module), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "rng": rng_state()})
+        _barrier()
+
+    def _resume_point(self, stage: int, module: nn.Module, opt, sched) -> int:
+        if self.saved is None or self.saved["stage"] != stage:
+            return 0
+        load_trainable_state(module, self.saved["model"])
+        opt.load_state_dict(self.saved["optimizer"])
+        sched.load_state_dict(self.saved["scheduler"])
+        set_rng_state(self.saved["rng"])
+        return int(self.saved["step"])
+
+    def _loop(self, stage: int, steps: int, start: int, step_fn, params, opt, sched, module) -> None:
+        if steps == 0 or start >= steps:
+            return
+        bar = None
+        if self.show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps, initial=start, desc=f"stage {stage}: " + ("align layers" if stage == 1 else
+                       "distill logits"), unit="step", dynamic_ncols=True)
+        for step in range(start, steps):
+            total = 0.0
+            for micro in range(self.config.grad_accum):
+                batch = self._sampler(stage).batch(step * self.config.grad_accum + micro).to(self.device)
+                loss = step_fn(batch) / self.config.grad_accum
+                loss.backward()
+                total += float(loss.detach())
+            if self.config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            self.history[f"stage{stage}"].append(total)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{total:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            if self.config.checkpoint_every and (step + 1) % self.config.checkpoint_every == 0 and step + 1 < steps:
+                self._checkpoint(stage, step + 1, module, opt, sched)
+            if self.on_step is not None:
+                self.on_step(stage, step)
+        if bar is not None:
+            bar.close()
+
+    # ----- stages -----
+    def run(self) -> nn.Module:
+        """Both stages -> the hybrid (LoRA merged, eval mode)."""
+        self.dense.eval().requires_grad_(False)
+        skip_stage1 = self.saved is not None and self.saved["stage"] == 2
+        if not skip_stage1:
+            self.stage1()
+        model = self.stage2()
+        return model.eval()
+
+    def converted_layers(self) -> dict[int, nn.Module]:
+        return {i: self.hybrid.model.layers[i].self_attn for i in self.layers}
+
+    def stage1(self) -> None:
+        self.hybrid.requires_grad_(False)
+        aligner = LayerAligner(self.converted_layers()).train()
+        aligner.requires_grad_(True)
+        params = [p for p in aligner.parameters() if p.requires_grad]
+        opt, sched = self._optimizer([{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps)
+        start = self._resume_point(1, aligner, opt, sched)
+        wrapped = self._wrap(aligner)
+        capture = AttentionCapture(self.dense, self.layers)
+
+        def step_fn(batch):
+            with self._autocast():
+                records = capture.run(self.dense, batch)
+                return wrapped(records)
+
+        try:
+            self._loop(1, self.plan.stage1_steps, start, step_fn, params, opt, sched, aligner)
+        finally:
+            capture.remove()
+
+    def stage2(self) -> nn.Module:
+        torch.manual_seed(self.config.seed + 2)  # LoRA init does not depend on how stage 1 went (resume-safe)
+        self.hybrid.requires_grad_(False)
+        groups = self.config.lora_target_groups()
+        use_lora = self.config.lora_rank > 0 and bool(groups) and self.plan.stage2_steps > 0
+        model = self.hybrid
+        if use_lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = lora_target_names(self.hybrid, self.layers, groups)
+            lora = LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha, lora_dropout=0.0,
+                              target_modules=targets, bias="none")
+            model = get_peft_model(self.hybrid, lora)
+        model.train()
+        for layer in self.converted_layers().values():
+            layer.requires_grad_(True)
+        new_params = [p for layer in self.converted_layers().values() for p in layer.parameters()]
+        new_ids = {id(p) for p in new_params}
+        lora_params = [p for p in model.parameters() if p.requires_grad and id(p) not in new_ids]
+        param_groups = [{"params": new_params, "lr": self.config.lr_stage2}]
+        if lora_params:
+            param_groups.append({"params": lora_params, "lr": self.config.lr_lora})
+        opt, sched = self._optimizer(param_groups, self.plan.stage2_steps)
+        start = self._resume_point(2, model, opt, sched)
+        wrapped = self._wrap(model)
+
+        def step_fn(batch):
+            with self._autocast():
+                with torch.no_grad():
+                    teacher = self.dense(input_ids=batch, use_cache=False).logits
+                student = wrapped(input_ids=batch, use_cache=False).logits
+                loss = kl_loss(student, teacher, self.config.temperature)
+                if self.config.ce_weight > 0:
+                    loss = loss + self.config.ce_weight * F.cross_entropy(
+                        student[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten())
+            return loss
+
+        self._loop(2, self.plan.stage2_steps, start, step_fn, new_params + lora_params, opt, sched, model)
+        if use_lora:
+            model = model.merge_and_unload()
+        model.requires_grad_(False)
+        return model

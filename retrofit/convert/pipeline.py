@@ -1,0 +1,163 @@
+"""``convert``: dense model -> selected layers -> hybrid initialised from attention -> distilled -> saved.
+
+    from retrofit.convert.pipeline import convert
+    convert("smollm2-135m", to="gdn", layers="every:4", data=["calib/"], tokens=2_000_000, out="hybrid/")
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from retrofit.errors import RetrofitError
+
+RECIPE_KEYS = {"model", "to", "layers", "data", "tokens", "layer_spec", "device", "select"}
+
+
+def load_recipe(path: str | os.PathLike | None) -> dict:
+    """A recipe YAML -> dict. Keys: model, to, layers, data, tokens, any DistillConfig field, ``layer_spec``
+    (LinearAttentionSpec fields) and ``select`` (scored-selection settings). A bare name such as
+    ``smollm2-135m/cpu-small`` resolves to the recipes shipped with retrofit."""
+    if path is None:
+        return {}
+    import yaml
+
+    from retrofit.convert.distill import DistillConfig
+
+    candidate = Path(path)
+    if not candidate.is_file():
+        shipped = Path(__file__).resolve().parents[2] / "recipes" / f"{path}.yaml"
+        try:
+            import retrofit.recipes as packaged
+
+            shipped_pkg = Path(packaged.__file__).parent / f"{path}.yaml"
+            shipped = shipped_pkg if shipped_pkg.is_file() else shipped
+        except ImportError:
+            pass
+        if not shipped.is_file():
+            raise RetrofitError(f"recipe {path} not found (a YAML file, or a shipped name like smollm2-135m/cpu-small)")
+        candidate = shipped
+    try:
+        values = yaml.safe_load(candidate.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RetrofitError(f"recipe {candidate}: invalid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise RetrofitError(f"recipe {candidate}: expected a mapping of settings")
+    unknown = set(values) - RECIPE_KEYS - set(DistillConfig.field_names())
+    if unknown:
+        raise RetrofitError(f"recipe {candidate}: unknown key(s) {', '.join(sorted(unknown))}")
+    return values
+
+
+def _init_distributed(device: str | None) -> torch.device:
+    """Under torchrun, start the process group (NCCL on GPU) and return this rank's device."""
+    import torch.distributed as dist
+
+    from retrofit.load import parse_device
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and dist.is_available() and not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl")
+            return torch.device("cuda", local)
+        dist.init_process_group("gloo")
+    if dist.is_available() and dist.is_initialized() and torch.cuda.is_available() and str(device or "cuda").startswith("cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return parse_device(device)
+
+
+def convert(model: str, to: str | None = None, layers: str | None = None, data: list[str] | None = None,
+            out: str | os.PathLike | None = None, tokens: int | None = None, recipe: str | None = None,
+            resume: bool = False, overwrite: bool = False, device: str | None = None, show_progress: bool = True,
+            on_step: Callable[[int, int], None] | None = None, **overrides) -> Path:
+    """Convert ``model`` to a hybrid and save it to ``out`` (returns ``out``).
+
+    Arguments left None come from the ``recipe`` (YAML); ``overrides`` are DistillConfig fields (CLI options).
+    Raises :class:`RetrofitError` on bad input: unknown ``to``, bad ``layers``, empty data, ``tokens <= 0``,
+    an existing ``out`` without ``overwrite``, an unsupported attention layout.
+    """
+    from retrofit.convert.checkpoint import work_dir_for
+    from retrofit.convert.data import calibration_files, token_windows
+    from retrofit.convert.distill import DistillConfig, Distiller, Plan, distributed
+    from retrofit.convert.hybrid import HybridSection, save_hybrid, to_hybrid
+    from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
+    from retrofit.load import load
+    from retrofit.model_info import attention_layout
+    from retrofit.select import choose, parse_layer_spec, ranking_table, score_layers
+
+    settings = load_recipe(recipe)
+    given = {"model": model, "to": to, "layers": layers, "data": data, "tokens": tokens, "device": device}
+    settings.update({k: v for k, v in given.items() if v is not None})
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    if out is None:
+        raise RetrofitError("no output directory: pass --out DIR")
+    out = Path(out)
+    kind = settings.get("to") or "gdn"
+    LAYER_TYPES.get(kind)  # RetrofitError with a suggestion on an unknown layer type
+    if settings.get("tokens") is not None and int(settings["tokens"]) <= 0:
+        raise RetrofitError(f"--tokens must be > 0, got {settings['tokens']}")
+    if out.exists() and not overwrite:
+        raise RetrofitError(f"output directory {out} exists; pass --overwrite to replace it")
+    data_paths = settings.get("data")
+    if isinstance(data_paths, str):
+        data_paths = [data_paths]
+    files = calibration_files(data_paths or [])
+    distill_values = {k: settings[k] for k in DistillConfig.field_names() if k in settings}
+    try:
+        config = DistillConfig(**distill_values)
+        spec = LinearAttentionSpec.from_dict(settings.get("layer_spec") or {})
+    except (TypeError, ValueError) as err:
+        raise RetrofitError(f"bad setting: {err}") from None
+
+    torch_device = _init_distributed(settings.get("device"))
+    rank, world = distributed()
+    dense, tokenizer = load(settings["model"], dtype="float32", device=torch_device)
+    layout = attention_layout(dense)
+    parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), layout.num_layers)
+    plan = Plan.from_config(config, world)
+    select_settings = dict(settings.get("select") or {})
+    probe = int(select_settings.get("probe_windows", 8))
+    extra = 0
+    if parsed.needs_scoring:
+        extra = int(select_settings.get("align_steps", 30)) * int(select_settings.get("batch_size", 4)) + probe
+    windows = token_windows(tokenizer, [str(f) for f in files], plan.windows_needed(config, world) + extra,
+                            config.seq_len, seed=config.seed, show_progress=show_progress and rank == 0)
+    if parsed.needs_scoring:
+        scores = score_layers(dense, windows, layer_type=kind, align_steps=int(select_settings.get("align_steps", 30)),
+                              batch_size=int(select_settings.get("batch_size", 4)), probe_windows=probe,
+                              device=torch_device, show_progress=show_progress and rank == 0)
+        chosen = choose(scores, parsed.fraction, layout.num_layers)
+        if rank == 0 and show_progress:
+            print(ranking_table(scores, chosen))
+    else:
+        chosen = list(parsed.indices)
+
+    section = HybridSection(layers=chosen, layer_type=kind, base_model_type=dense.config.model_type,
+                            layer_spec=spec.to_dict())
+    hybrid = to_hybrid(dense, section, share_weights=False)
+    fingerprint = {"model": str(settings["model"]), "to": kind, "layers": chosen,
+                   "data": [f"{f}:{f.stat().st_size}" for f in files], "config": config.to_dict(),
+                   "layer_spec": spec.to_dict(), "world_size": world}
+    work_dir = work_dir_for(out)
+    distiller = Distiller(dense, hybrid, chosen, config, windows, work_dir, fingerprint, torch_device,
+                          resume=resume, show_progress=show_progress, on_step=on_step)
+    model = distiller.run()
+    section.distillation = {"tokens": config.tokens, "stage1_steps": distiller.plan.stage1_steps,
+                            "stage2_steps": distiller.plan.stage2_steps, "tokens_per_step": distiller.plan.tokens_per_step,
+                            "final_loss_stage1": (distiller.history["stage1"] or [None])[-1],
+                            "final_loss_stage2": (distiller.history["stage2"] or [None])[-1],
+                            "settings": config.to_dict()}
+    model.config.retrofit = section.to_dict()
+    if rank == 0:
+        save_hybrid(model, tokenizer, out, overwrite=overwrite)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out

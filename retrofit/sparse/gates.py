@@ -1,0 +1,213 @@
+"""Training of the SeerAttention decode gates (``retrofit gates``): base model frozen, gates distilled from it.
+
+For each calibration sequence the model runs dense; at every softmax-attention layer the last ``queries`` query
+positions are taken as decode queries. Target: their dense attention, summed per block of ``block_size`` keys and
+averaged over the heads of a GQA group. Prediction: the gate's softmax over the same blocks (the newest, partial block
+pooled over the keys seen so far, as at decode time). Loss: KL(target || gate), summed over layers.
+"""
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import click
+import torch
+from tqdm import tqdm
+
+from retrofit.errors import RetrofitError
+from retrofit.sparse.methods.seer import SeerGate, SeerGates, pool_blocks
+from retrofit.sparse.patch import softmax_attention_layers
+
+
+def gate_loss(gate: SeerGate, query: torch.Tensor, key: torch.Tensor, block_size: int, queries: int,
+              scaling: float) -> torch.Tensor:
+    """KL(block-pooled dense attention || gate distribution) for the last ``queries`` positions.
+
+    query [B, Hq, T, D], key [B, Hkv, T, D] (post-RoPE, T a multiple of block_size, queries <= block_size) -> scalar.
+    """
+    B, Hq, T, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    NB = T // block_size
+    q = query[:, :, T - queries :].float().view(B, Hkv, G, queries, D)
+    k = key.float()
+    t = torch.arange(T - queries, T, device=key.device)
+    logits = torch.einsum("bhgqd,bhnd->bhgqn", q, k) * scaling
+    logits = logits.masked_fill(torch.arange(T, device=key.device)[None, :] > t[:, None], float("-inf"))
+    target = logits.softmax(-1).view(B, Hkv, G, queries, NB, block_size).sum(-1).mean(2)  # [B, Hkv, Q, NB]
+
+    valid = torch.ones(B, T, dtype=torch.bool, device=key.device)
+    pooled = pool_blocks(k, valid, block_size)  # [B, Hkv, NB, 3D]
+    last = k[:, :, (NB - 1) * block_size :]  # the block holding the queries, pooled causally
+    cmax = torch.cummax(last, 2).values[:, :, block_size - queries :]
+    cmin = torch.cummin(last, 2).values[:, :, block_size - queries :]
+    counts = torch.arange(1, block_size + 1, device=key.device, dtype=torch.float32)[:, None]
+    cmean = (torch.cumsum(last, 2) / counts)[:, :, block_size - queries :]
+    pooled_last = torch.cat([cmax, cmin, cmean], -1)  # [B, Hkv, Q, 3D]
+
+    gq = gate.query(query[:, :, T - queries :].float().transpose(1, 2).reshape(B * queries, Hq, D))
+    gq = gq.view(B, queries, Hkv, -1).transpose(1, 2)  # [B, Hkv, Q, hidden]
+    scores = torch.einsum("bhqc,bhnc->bhqn", gq, gate.block_keys(pooled))
+    scores_last = (gq * gate.block_keys(pooled_last)).sum(-1)
+    scores = torch.cat([scores[..., :-1], scores_last[..., None]], -1)
+    log_pred = scores.log_softmax(-1)
+    return (target * (torch.log(target.clamp(min=1e-12)) - log_pred)).sum(-1).mean()
+
+
+@contextmanager
+def capture_gate_losses(model, gates: SeerGates, queries: int) -> Iterator[list[torch.Tensor]]:
+    """Inside: forward calls run the original attention and append each gated layer's loss to the yielded list."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from retrofit.sparse.patch import _attention_configs, _eager_function
+
+    losses: list[torch.Tensor] = []
+    original = model.config._attn_implementation or "eager"
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        function = _eager_function(module) if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
+        out = function(module, query, key, value, attention_mask, **kwargs)
+        if getattr(module, "layer_idx", None) in gates:
+            with torch.enable_grad():
+                losses.append(gate_loss(gates[module.layer_idx], query.detach(), key.detach(), gates.block_size,
+                                        queries, kwargs.get("scaling") or module.scaling))
+        return out
+
+    name = f"retrofit_gates_{id(losses):x}"
+    saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in _attention_configs(model)]
+    ALL_ATTENTION_FUNCTIONS._global_mapping[name] = attention
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = ALL_MASK_ATTENTION_FUNCTIONS[original]
+    try:
+        for config, _ in saved:
+            config.__dict__["_attn_implementation_internal"] = name
+        yield losses
+    finally:
+        for config, value in saved:
+            config.__dict__["_attn_implementation_internal"] = value
+        ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+
+
+def calibration_chunks(tokenizer, files: list[Path], tokens: int, seq_len: int) -> list[torch.Tensor]:
+    """Token chunks [seq_len] from the text files (read in order), enough to cover ``tokens`` tokens."""
+    paths: list[Path] = []
+    for item in files:
+        item = Path(item)
+        paths.extend(sorted(p for p in item.rglob("*.txt")) if item.is_dir() else [item])
+    if not paths:
+        raise RetrofitError("--data: no .txt files found")
+    needed = -(-tokens // seq_len)
+    chunks: list[torch.Tensor] = []
+    for path in paths:
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt").input_ids[0]
+        chunks.extend(ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len))
+        if len(chunks) >= needed:
+            break
+    if len(chunks) < needed:
+        raise RetrofitError(f"--data holds {len(chunks) * seq_len} tokens in chunks of {seq_len}; --tokens asks {tokens}")
+    return chunks[:needed]
+
+
+def _atomic_save(payload: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, seq_len: int = 1024,
+                block_size: int = 64, hidden: int = 128, queries: int = 16, lr: float = 1e-3, save_every: int = 20,
+                resume: bool = False, seed: int = 0, progress: bool = True) -> tuple[SeerGates, list[float]]:
+    """Train decode gates for every softmax-attention layer of ``model`` (frozen); save them to ``out``.
+
+    Resumable: a checkpoint ``out + ".ckpt"`` (gates, optimiser, step) is written every ``save_every`` steps;
+    ``resume=True`` continues from it. Returns the gates and the per-step losses of this run.
+    """
+    if seq_len % block_size or seq_len < 2 * block_size:
+        raise RetrofitError(f"--seq-len {seq_len} must be a multiple of --block-size {block_size} and at least two blocks")
+    if not 1 <= queries <= block_size:
+        raise RetrofitError(f"--queries {queries} must be between 1 and --block-size {block_size}")
+    if tokens <= 0:
+        raise RetrofitError(f"--tokens {tokens} must be positive")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = out.with_name(out.name + ".ckpt")
+    config = model.config.get_text_config(decoder=True)
+    layers = list(softmax_attention_layers(model))
+    if not layers:
+        raise RetrofitError(f"{type(model).__name__} has no softmax-attention layer to train gates for")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    random.seed(seed)
+    gates = SeerGates(layers, config.num_attention_heads, config.num_key_value_heads, head_dim, hidden, block_size)
+    gates.to(device)
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=lr)
+    start = 0
+    if resume:
+        if not checkpoint.is_file():
+            raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
+        state = torch.load(checkpoint, map_location=device, weights_only=True)
+        if state["config"] != gates.config:
+            raise RetrofitError(f"--resume: checkpoint {str(checkpoint)!r} was made with other gate settings")
+        gates.load_state_dict(state["gates"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    chunks = calibration_chunks(tokenizer, files, tokens, seq_len)
+    model.eval().requires_grad_(False)
+    losses: list[float] = []
+    bar = tqdm(range(start, len(chunks)), initial=start, total=len(chunks), desc="gates", disable=not progress)
+    for step in bar:
+        with capture_gate_losses(model, gates, queries) as layer_losses, torch.no_grad():
+            model(chunks[step][None].to(device), use_cache=False)
+        loss = torch.stack(layer_losses).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item() / len(layer_losses))
+        bar.set_postfix(kl=f"{losses[-1]:.4f}")
+        if (step + 1) % save_every == 0 or step + 1 == len(chunks):
+            _atomic_save({"config": gates.config, "gates": gates.state_dict(), "optimizer": optimizer.state_dict(),
+                          "step": step + 1}, checkpoint)
+    gates.cpu().save(out)
+    return gates, losses
+
+
+@click.command("gates")
+@click.argument("model")
+@click.option("--data", "data", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
+              help="Text file(s) or folder(s) of .txt files (e.g. ../shared/data/calib). Repeatable.")
+@click.option("--tokens", type=int, default=262_144, show_default=True, help="Calibration tokens to train on.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Gate file to write (atomically).")
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--block-size", type=int, default=64, show_default=True, help="Tokens per gated KV block.")
+@click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
+@click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--save-every", type=int, default=20, show_default=True, help="Checkpoint every N steps.")
+@click.option("--resume", is_flag=True, help="Continue from OUT.ckpt.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--dtype", default="float32", show_default=True, help="Dtype of the frozen base model.")
+def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries, lr, save_every, resume, device, dtype):
+    """Train SeerAttention decode gates for MODEL (frozen) on calibration text.
+
+    \b
+    Example:
+      retrofit gates smollm2-135m --data ../shared/data/calib --tokens 65536 --out runs/smol.gates
+      retrofit generate smollm2-135m --sparse seer --budget 512 --sparse-arg gate_path=runs/smol.gates ...
+    """
+    import retrofit
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    lm, tokenizer = retrofit.load(model, dtype=dtype)
+    lm.to(device)
+    _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
+                            hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume)
+    if losses:
+        click.echo(f"gates saved to {out} (KL per layer: first step {losses[0]:.4f}, last step {losses[-1]:.4f})")
+    else:
+        click.echo(f"gates saved to {out} (nothing left to train after resume)")

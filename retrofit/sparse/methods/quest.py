@@ -1,0 +1,67 @@
+"""Quest (Tang et al., 2406.10774): page-level key min/max bound the attention logit; read the top pages.
+
+Metadata per page of ``page_size`` positions: element-wise min and max of its keys (padding excluded). Per decode
+step: ``score = sum_d max(q_d*max_d, q_d*min_d)`` (max over the query heads of a GQA group), top
+``budget // page_size`` pages, sparse attention over them. The first ``dense_layers`` stay dense (authors' setting).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from retrofit.kernels.sparse_decode import quest_page_scores, quest_page_scores_ref
+from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.sparse.methods.common import grown
+
+
+@register("quest")
+@dataclass
+class Quest(SparseMethod):
+    """Pages of ``page_size`` tokens (must divide ``budget``); ``dense_layers``: layer indices kept dense."""
+
+    page_size: int = 16
+    dense_layers: tuple[int, ...] = (0, 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.page_size, int) and self.page_size > 0, "page_size", self.page_size,
+                "a positive integer")
+        require(self.budget % self.page_size == 0, "page_size", self.page_size,
+                f"a divisor of budget={self.budget}")
+        self.dense_layers = tuple(self.dense_layers)
+        require(all(isinstance(i, int) and i >= 0 for i in self.dense_layers), "dense_layers", self.dense_layers,
+                "non-negative layer indices")
+
+    def prepare(self, layer, start: int, end: int) -> None:
+        if end <= start or layer.layer_idx in self.dense_layers:
+            return
+        ps = self.page_size
+        first, last = start // ps, -(-end // ps)
+        B, H, _, D = layer.keys.shape
+        meta = layer.meta
+        for name in ("page_min", "page_max"):
+            meta[name] = grown(meta.get(name), 2, last, layer.keys, (B, H, 0, D))
+        span = layer.keys[:, :, first * ps : end]
+        pad = (last - first) * ps - span.shape[2]
+        pos = torch.arange(first * ps, last * ps, device=span.device)
+        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)  # [B, L]
+        span = torch.nn.functional.pad(span, (0, 0, 0, pad)).view(B, H, last - first, ps, D)
+        valid = valid.view(B, 1, last - first, ps, 1)
+        inf = torch.tensor(float("inf"), dtype=span.dtype, device=span.device)
+        page_min = torch.where(valid, span, inf).amin(3)
+        page_max = torch.where(valid, span, -inf).amax(3)
+        meta["page_min"][:, :, first:last] = torch.where(torch.isinf(page_min), 0, page_min)
+        meta["page_max"][:, :, first:last] = torch.where(torch.isinf(page_max), 0, page_max)
+        meta["num_pages"] = last
+
+    def select(self, layer, query: torch.Tensor) -> Selection | None:
+        if layer.layer_idx in self.dense_layers:
+            return None
+        meta = layer.meta
+        num_pages = meta["num_pages"]
+        score = quest_page_scores if layer.use_triton(query) else quest_page_scores_ref
+        scores = score(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
+        top = torch.topk(scores, min(self.budget // self.page_size, num_pages), dim=-1, sorted=False).indices
+        counts = torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device)
+        return Selection(top.to(torch.int32), counts, self.page_size)

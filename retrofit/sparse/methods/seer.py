@@ -1,0 +1,174 @@
+"""SeerAttention decode gates (Gao et al., 2410.13276; SeerAttention-R 2506.08889): a small learned gate scores
+blocks of the KV cache from block-pooled keys; the top blocks are read.
+
+Gate of one layer (weights shared by its kv heads): ``gq = Wq . concat(queries of the GQA group)``,
+``gk = Wk . concat(max, min, mean of the block's keys)``, ``score = gq . gk / sqrt(hidden)``. The base model stays
+frozen; the gates are trained by ``retrofit gates`` (KL to the block-pooled dense attention) and loaded from a file.
+Per decode step: top ``budget // block_size`` blocks, the block holding the newest token always among them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from retrofit.errors import RetrofitError
+from retrofit.kernels.sparse_decode import cluster_scores, cluster_scores_ref
+from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.sparse.methods.common import grown
+
+GATE_FORMAT = "retrofit-seer-gates"
+
+
+class SeerGate(nn.Module):
+    """One layer's decode gate: q [B, Hq, D] -> [B, Hkv, hidden]; pooled block keys [B, Hkv, NB, 3D] -> [B, Hkv, NB, hidden]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, hidden: int = 128):
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.hidden = hidden
+        self.q_proj = nn.Linear(self.group * head_dim, hidden, bias=False)
+        self.k_proj = nn.Linear(3 * head_dim, hidden, bias=False)
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        B, _, D = q.shape
+        return self.q_proj(q.reshape(B, self.num_kv_heads, self.group * D)) / math.sqrt(self.hidden)
+
+    def block_keys(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.k_proj(pooled)
+
+    def scores(self, q: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D], pooled [B, Hkv, NB, 3D] -> block logits [B, Hkv, NB]."""
+        return torch.einsum("bhc,bhnc->bhn", self.query(q), self.block_keys(pooled))
+
+
+def pool_blocks(keys: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """keys [B, H, L, D] with L a multiple of block_size, valid [B, L] bool -> [B, H, L/block_size, 3D] (max, min,
+    mean over the valid keys of each block; zeros for a block without any)."""
+    B, H, L, D = keys.shape
+    blocks = keys.float().view(B, H, L // block_size, block_size, D)
+    ok = valid.view(B, 1, L // block_size, block_size, 1)
+    big = torch.finfo(torch.float32).max
+    kmax = torch.where(ok, blocks, -big).amax(3)
+    kmin = torch.where(ok, blocks, big).amin(3)
+    count = ok.sum(3)
+    kmean = torch.where(ok, blocks, 0.0).sum(3) / count.clamp(min=1)
+    empty = count == 0
+    return torch.cat([kmax.masked_fill(empty, 0), kmin.masked_fill(empty, 0), kmean], -1)
+
+
+class SeerGates(nn.Module):
+    """The gates of a model (layer index -> SeerGate) with their block size; saved/loaded as one file."""
+
+    def __init__(self, layers: list[int], num_heads: int, num_kv_heads: int, head_dim: int, hidden: int = 128,
+                 block_size: int = 64):
+        super().__init__()
+        self.config = dict(layers=list(layers), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           hidden=hidden, block_size=block_size)
+        self.block_size = block_size
+        self.gates = nn.ModuleDict({str(i): SeerGate(num_heads, num_kv_heads, head_dim, hidden) for i in layers})
+
+    def __contains__(self, layer_idx: int) -> bool:
+        return str(layer_idx) in self.gates
+
+    def __getitem__(self, layer_idx: int) -> SeerGate:
+        return self.gates[str(layer_idx)]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically (temp file, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        torch.save({"format": GATE_FORMAT, "version": 1, "config": self.config, "state_dict": state}, tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SeerGates":
+        path = Path(path)
+        if not path.is_file():
+            raise RetrofitError(f"seer gate file {str(path)!r} does not exist (train one with `retrofit gates`)")
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any unreadable file is a user error here
+            raise RetrofitError(f"seer gate file {str(path)!r} is not readable: {type(error).__name__}") from None
+        if not isinstance(payload, dict) or payload.get("format") != GATE_FORMAT:
+            raise RetrofitError(f"{str(path)!r} is not a retrofit seer gate file")
+        gates = cls(**payload["config"])
+        gates.load_state_dict(payload["state_dict"])
+        return gates.eval().requires_grad_(False)
+
+
+@register("seer")
+@dataclass
+class SeerAttention(SparseMethod):
+    """``gate_path``: gate file from ``retrofit gates``; blocks of the file's block size (at most ``budget``)."""
+
+    gate_path: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.gate_path is not None and str(self.gate_path) != "", "gate_path", self.gate_path,
+                "a gate file trained by `retrofit gates MODEL --out PATH`")
+        self._gates = SeerGates.load(self.gate_path)
+        self._placed: dict[tuple, SeerGates] = {}
+        require(self.budget >= self._gates.block_size, "budget", self.budget,
+                f"at least the gate block size {self._gates.block_size}")
+
+    @property
+    def block_size(self) -> int:
+        return self._gates.block_size
+
+    def _gate(self, layer, like: torch.Tensor) -> SeerGate | None:
+        if layer.layer_idx not in self._gates:
+            return None
+        key = (like.device, like.dtype)
+        if key not in self._placed:
+            config = self._gates.config
+            B, H, _, D = layer.keys.shape
+            if (H, D) != (config["num_kv_heads"], config["head_dim"]):
+                raise RetrofitError(f"seer gate file {self.gate_path!r} was trained for {config['num_kv_heads']} kv "
+                                    f"heads of dim {config['head_dim']}, the model has {H} of dim {D}")
+            self._placed[key] = SeerGates(**config).to(device=like.device, dtype=like.dtype).eval()
+            self._placed[key].load_state_dict(self._gates.state_dict())
+        return self._placed[key][layer.layer_idx]
+
+    def prepare(self, layer, start: int, end: int) -> None:
+        gate = self._gate(layer, layer.keys)
+        if gate is None or end <= start:
+            return
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        B, H, _, D = layer.keys.shape
+        span = layer.keys[:, :, first * bs : end]
+        span = torch.nn.functional.pad(span, (0, 0, 0, (last - first) * bs - span.shape[2]))
+        pos = torch.arange(first * bs, last * bs, device=span.device)
+        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)
+        with torch.no_grad():
+            gate_keys = gate.block_keys(pool_blocks(span, valid, bs).to(layer.keys.dtype))
+        meta = layer.meta
+        meta["gate_keys"] = grown(meta.get("gate_keys"), 2, last, layer.keys, (B, H, 0, gate.hidden))
+        meta["gate_keys"][:, :, first:last] = gate_keys
+        meta["num_blocks"] = last
+
+    def select(self, layer, query: torch.Tensor) -> Selection | None:
+        gate = self._gate(layer, query)
+        if gate is None:
+            return None
+        meta = layer.meta
+        num = meta["num_blocks"]
+        with torch.no_grad():
+            gate_query = gate.query(query).contiguous()
+        score = cluster_scores if layer.use_triton(query) else cluster_scores_ref
+        scores = score(gate_query, meta["gate_keys"], num)
+        block_end = (torch.arange(num, device=query.device) + 1) * self.block_size
+        scores = scores.masked_fill((block_end[None, :] <= layer.kv_start.long()[:, None])[:, None, :], float("-inf"))
+        scores[:, :, num - 1] = float("inf")
+        top = torch.topk(scores, min(self.budget // self.block_size, num), dim=-1, sorted=False).indices
+        counts = torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device)
+        return Selection(top.to(torch.int32), counts, self.block_size)

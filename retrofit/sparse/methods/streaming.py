@@ -1,0 +1,79 @@
+"""StreamingLLM (Xiao et al., 2309.17453): keep the first ``n_sink`` tokens and the last ``window`` tokens.
+
+Evicts for real: after the prefill each row keeps at most ``n_sink + window`` keys/values (the buffer is reallocated
+to that size), and every new token overwrites the oldest window slot (a ring; attention is order-invariant). Keys
+keep the rotary positions they were computed with (no re-positioning inside the cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.sparse.methods.common import all_blocks
+
+
+@register("streaming")
+@dataclass
+class StreamingLLM(SparseMethod):
+    """budget = n_sink + window tokens; ``window`` defaults to ``budget - n_sink``."""
+
+    n_sink: int = 4
+    window: int | None = None
+    evicts = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.n_sink, int) and 0 <= self.n_sink < self.budget, "n_sink", self.n_sink,
+                f"an integer in [0, budget={self.budget})")
+        if self.window is None:
+            self.window = self.budget - self.n_sink
+        require(isinstance(self.window, int) and 1 <= self.window <= self.budget - self.n_sink, "window",
+                self.window, f"an integer in [1, budget - n_sink = {self.budget - self.n_sink}]")
+
+    @property
+    def capacity(self) -> int:
+        return self.n_sink + self.window
+
+    def append(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not layer.meta.get("compacted"):
+            layer.write(keys, values)
+            return
+        count, ring = layer.meta["count"], layer.meta["ring"]
+        B, H, _, D = keys.shape
+        full = count >= self.capacity
+        slot = torch.where(full, self.n_sink + ring, count)
+        high = int(slot.max()) + 1
+        layer.reserve(high, limit=self.capacity)
+        layer.length = max(layer.length, high)
+        index = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
+        layer.keys.scatter_(2, index, keys)
+        layer.values.scatter_(2, index.expand(B, H, 1, values.shape[-1]), values)
+        layer.meta["ring"] = torch.where(full, (ring + 1) % self.window, ring)
+        layer.meta["count"] = torch.clamp(count + 1, max=self.capacity)
+        layer.kv_end.copy_(layer.meta["count"])
+
+    def prepare(self, layer, start: int, end: int) -> None:
+        if layer.meta.get("compacted"):
+            return
+        n, cap = layer.length, self.capacity
+        start_pos = layer.kv_start.long()
+        valid_len = n - start_pos
+        keep = torch.clamp(valid_len, max=cap)
+        width = max(int(keep.max()), 1)
+        j = torch.arange(width, device=start_pos.device)
+        head = (valid_len[:, None] <= cap) | (j[None, :] < self.n_sink)
+        pos = torch.where(head, start_pos[:, None] + j, n - cap + j)
+        pos = torch.where(j[None, :] < keep[:, None], pos, torch.zeros_like(pos)).clamp(0, max(n - 1, 0))
+        B, H, _, D = layer.keys.shape
+        index = pos[:, None, :, None].expand(B, H, width, D)
+        layer.keys = layer.keys[:, :, :n].gather(2, index)
+        layer.values = layer.values[:, :, :n].gather(2, index.expand(B, H, width, layer.values.shape[-1]))
+        layer.length = width
+        layer.kv_start.zero_()
+        layer.kv_end.copy_(keep.to(torch.int32))
+        layer.meta.update(compacted=True, count=keep, ring=torch.zeros_like(keep))
+
+    def select(self, layer, query: torch.Tensor) -> Selection:
+        return all_blocks(layer)

@@ -1,0 +1,256 @@
+"""Chunked GDN / KDA Triton kernels against the pure-PyTorch references.
+
+On the CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1) in float32:
+outputs, final states and every gradient (q, k, v, g, beta, initial_state) must match the float64
+recurrent reference (differentiated by torch.autograd) to a relative RMS error of 1e-4.
+The bf16 cases are marked ``gpu`` and run on a CUDA device (o / states <= 5e-3, gradients <= 2e-2).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _testing import nan_poisoned_allocations, rel_rms
+from retrofit.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    naive_chunk_gated_delta_rule,
+    naive_recurrent_gated_delta_rule,
+)
+from retrofit.kernels.kda import chunk_kda, naive_chunk_kda, naive_recurrent_kda
+
+OPS = {
+    "gdn": (chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule),
+    "kda": (chunk_kda, naive_recurrent_kda, naive_chunk_kda),
+}
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+FP32_TOL = 1e-4
+
+
+def make_inputs(kind, B, T, H, K, V, *, groups=1, h0=True, gmin=-1.0, dtype=torch.float32, device="cpu", seed=0):
+    """q [B,T,groups*H,K], L2-normalised k, v, log decay g in [gmin, 0], beta in (0,1), optional state."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = rnd(B, T, groups * H, K)
+    k = F.normalize(rnd(B, T, H, K), dim=-1)
+    v = rnd(B, T, H, V)
+    gshape = (B, T, H, K) if kind == "kda" else (B, T, H)
+    g = gmin * torch.rand(*gshape, generator=gen)
+    beta = torch.sigmoid(rnd(B, T, H))
+    s0 = rnd(B, H, K, V) if h0 else None
+    out = [x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta)]
+    out.append(s0.to(device) if s0 is not None else None)          # states stay float32
+    return out
+
+
+def run_with_grads(fn, inputs, do, dht, *, to=None):
+    """Calls fn with output_final_state=True; returns (o, final state, grads) for loss <o,do> + <S_T,dht>."""
+    leaves = [None if x is None else (x.to(to) if to is not None else x.clone()).requires_grad_() for x in inputs]
+    q, k, v, g, beta, s0 = leaves
+    o, st = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    loss = (o.to(do.dtype) * do).sum() + (st.to(dht.dtype) * dht).sum()
+    loss.backward()
+    grads = [None if x is None else x.grad for x in leaves]
+    return o.detach(), st.detach(), grads
+
+
+def check_against_reference(kind, inputs, tol_o, tol_g, poison=True):
+    chunk, naive, _ = OPS[kind]
+    B, T, Hq, K = inputs[0].shape
+    H, V = inputs[1].shape[2], inputs[2].shape[-1]
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(B, T, Hq, V, generator=gen).to(inputs[0].device)
+    dht = torch.randn(B, H, K, V, generator=gen).to(inputs[0].device)
+    if poison:
+        with nan_poisoned_allocations():
+            o, st, grads = run_with_grads(chunk, inputs, do, dht)
+    else:
+        o, st, grads = run_with_grads(chunk, inputs, do, dht)
+    o_ref, st_ref, grads_ref = run_with_grads(naive, inputs, do.double(), dht.double(), to=torch.float64)
+    assert o.shape == o_ref.shape and o.dtype == inputs[2].dtype
+    assert st.dtype == torch.float32 and st.shape == (B, H, K, V)
+    errs = {"o": rel_rms(o, o_ref), "final_state": rel_rms(st, st_ref)}
+    for name, gr, gr_ref, x in zip(NAMES, grads, grads_ref, inputs):
+        if x is None:
+            continue
+        assert gr is not None and gr.shape == x.shape and gr.dtype == x.dtype, name
+        assert torch.isfinite(gr).all(), f"d{name} not finite"
+        errs["d" + name] = rel_rms(gr, gr_ref)
+    assert torch.isfinite(o).all() and torch.isfinite(st).all()
+    bad = {n: e for n, e in errs.items() if e > (tol_o if n in ("o", "final_state") else tol_g)}
+    assert not bad, f"relative RMS errors over tolerance: {bad} (all: {errs})"
+    return errs
+
+
+# (T, H, groups, K, V, initial_state): every listed T, H, (K, V) and flag appears; grouped query heads (Hq = 3 H)
+CPU_CASES = [
+    (1, 1, 1, 16, 16, False),
+    (1, 3, 1, 32, 16, True),
+    (63, 3, 1, 16, 16, True),
+    (63, 1, 1, 64, 64, False),
+    (75, 1, 1, 32, 16, False),
+    (75, 3, 1, 64, 64, True),
+    (130, 1, 1, 16, 16, True),
+    (130, 3, 1, 32, 16, False),
+    (75, 1, 3, 16, 16, True),      # GQA
+    (130, 1, 3, 32, 16, False),    # GQA
+]
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("T,H,groups,K,V,h0", CPU_CASES)
+def test_matches_reference_fp32(kind, T, H, groups, K, V, h0):
+    inputs = make_inputs(kind, 1, T, H, K, V, groups=groups, h0=h0, seed=T + 7 * H + K)
+    check_against_reference(kind, inputs, FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_batch_of_two(kind):
+    inputs = make_inputs(kind, 2, 75, 3, 16, 16, h0=True, seed=3)
+    check_against_reference(kind, inputs, FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_strong_decay_stays_finite_and_matches(kind):
+    # g down to -5 per step (per channel for KDA): in-chunk cumulative decays reach about -300
+    inputs = make_inputs(kind, 1, 130, 1, 32, 16, h0=True, gmin=-5.0, seed=11)
+    check_against_reference(kind, inputs, FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_prefill_then_continue_equals_one_call(kind):
+    chunk = OPS[kind][0]
+    q, k, v, g, beta, s0 = make_inputs(kind, 1, 130, 3, 16, 16, h0=True, seed=5)
+    o_full, s_full = chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    cut = 75
+    o1, s1 = chunk(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state=s0,
+                   output_final_state=True)
+    o2, s2 = chunk(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s1,
+                   output_final_state=True)
+    assert rel_rms(torch.cat([o1, o2], 1), o_full) < 1e-5
+    assert rel_rms(s2, s_full) < 1e-5
+    # and the first part's state is the reference's state after the prompt
+    _, s_ref = OPS[kind][1](q[:, :cut].double(), k[:, :cut].double(), v[:, :cut].double(), g[:, :cut].double(),
+                            beta[:, :cut].double(), initial_state=s0.double(), output_final_state=True)
+    assert rel_rms(s1, s_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_padded_positions_leave_state_unchanged(kind):
+    chunk = OPS[kind][0]
+    q, k, v, g, beta, s0 = make_inputs(kind, 1, 70, 1, 16, 16, h0=True, seed=9)
+    o, s = chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    # insert 6 padded positions (g = 0, beta = 0, k = v = 0; q arbitrary) after position 40 and 3 at the end
+    pad_at, n_pad, n_tail = 40, 6, 3
+
+    def padded(x, fill):
+        shape = list(x.shape)
+        mid = x.new_full([shape[0], n_pad] + shape[2:], fill)
+        tail = x.new_full([shape[0], n_tail] + shape[2:], fill)
+        return torch.cat([x[:, :pad_at], mid, x[:, pad_at:], tail], 1)
+
+    qp = padded(q, 1.0)
+    kp, vp, gp, bp = padded(k, 0.0), padded(v, 0.0), padded(g, 0.0), padded(beta, 0.0)
+    op, sp = chunk(qp, kp, vp, gp, bp, initial_state=s0, output_final_state=True)
+    keep = torch.cat([torch.arange(pad_at), torch.arange(pad_at + n_pad, pad_at + n_pad + 70 - pad_at)])
+    assert rel_rms(sp, s) < 1e-5
+    assert rel_rms(op[:, keep], o) < 1e-5
+    # a sequence of padding only returns the initial state untouched
+    _, s_only = chunk(qp[:, :5], torch.zeros_like(kp[:, :5]), torch.zeros_like(vp[:, :5]), torch.zeros_like(gp[:, :5]),
+                      torch.zeros_like(bp[:, :5]), initial_state=s0, output_final_state=True)
+    assert torch.equal(s_only, s0)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_chunk_spec_matches_recurrence(kind):
+    _, naive, spec = OPS[kind]
+    q, k, v, g, beta, s0 = (None if x is None else x.double()
+                            for x in make_inputs(kind, 2, 130, 3, 16, 16, groups=2, h0=True, gmin=-5.0, seed=4))
+    o1, s1 = naive(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o2, s2 = spec(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert (o1 - o2).abs().max() < 1e-10 and (s1 - s2).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_without_final_state_and_default_scale(kind):
+    chunk, naive, _ = OPS[kind]
+    q, k, v, g, beta, _ = make_inputs(kind, 1, 20, 1, 16, 16, h0=False, seed=2)
+    o, st = chunk(q, k, v, g, beta)
+    assert st is None
+    o_ref, _ = naive(q, k, v, g, beta, scale=16 ** -0.5)
+    assert rel_rms(o, o_ref) < FP32_TOL
+    o2, _ = chunk(q, k, v, g, beta, scale=0.3)
+    o2_ref, _ = naive(q, k, v, g, beta, scale=0.3)
+    assert rel_rms(o2, o2_ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_invalid_arguments_name_the_argument(kind):
+    chunk = OPS[kind][0]
+    q, k, v, g, beta, s0 = make_inputs(kind, 1, 8, 2, 16, 16, h0=True)
+    with pytest.raises(ValueError, match="^k"):
+        chunk(q, k[..., :8], v, g, beta)
+    with pytest.raises(ValueError, match="^v"):
+        chunk(q, k, v[:, :4], g, beta)
+    with pytest.raises(ValueError, match="^g"):
+        chunk(q, k, v, g[..., 0] if kind == "kda" else g[..., None].expand(1, 8, 2, 16), beta)
+    with pytest.raises(ValueError, match="^beta"):
+        chunk(q, k, v, g, beta[..., None])
+    with pytest.raises(ValueError, match="^q"):
+        chunk(q[:, :, :1].expand(1, 8, 3, 16), k, v, g, beta)     # 3 query heads for 2 kv heads
+    with pytest.raises(ValueError, match="^initial_state"):
+        chunk(q, k, v, g, beta, initial_state=s0[:, :1])
+    with pytest.raises(ValueError, match="^q"):
+        chunk(q.double(), k, v, g, beta)
+    with pytest.raises(ValueError, match="^k"):
+        chunk(torch.randn(1, 8, 2, 24), torch.randn(1, 8, 2, 24), v,
+              g if kind == "gdn" else torch.zeros(1, 8, 2, 24), beta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: bf16 inputs (fp32 accumulation and state); run by `pytest -m gpu` on a CUDA machine
+
+GPU_CASES = [
+    # (B, T, H, groups, K, V, h0)
+    (2, 1, 3, 1, 16, 16, True),
+    (2, 63, 3, 1, 32, 16, False),
+    (1, 75, 1, 1, 64, 64, True),
+    (2, 130, 3, 1, 64, 64, True),
+    (1, 130, 1, 3, 32, 16, True),
+    (1, 300, 2, 1, 128, 128, True),
+    (2, 200, 2, 2, 128, 64, False),
+    (1, 257, 4, 1, 64, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("B,T,H,groups,K,V,h0", GPU_CASES)
+def test_matches_reference_bf16_gpu(kind, B, T, H, groups, K, V, h0):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    inputs = make_inputs(kind, B, T, H, K, V, groups=groups, h0=h0, dtype=torch.bfloat16, device="cuda",
+                         seed=T + K + V)
+    check_against_reference(kind, inputs, 5e-3, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("T,K,V", [(130, 32, 16), (300, 128, 128)])
+def test_matches_reference_fp32_gpu(kind, T, K, V):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    inputs = make_inputs(kind, 1, T, 2, K, V, groups=2, h0=True, device="cuda", seed=T)
+    check_against_reference(kind, inputs, 2e-4, 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_strong_decay_bf16_gpu(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    inputs = make_inputs(kind, 1, 400, 2, 128, 128, h0=True, gmin=-5.0, dtype=torch.bfloat16, device="cuda", seed=3)
+    check_against_reference(kind, inputs, 5e-3, 2e-2)
