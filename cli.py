@@ -65,16 +65,31 @@ def inspect(model: str, device: str, dtype: str) -> None:
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="0 decodes greedily.")
+@click.option("--sparse", "sparse_method", default=None,
+              help="Sparse decoding method: streaming, quest, clusterkv, retrieval or seer (default: dense).")
+@click.option("--budget", default=2048, show_default=True, type=int, help="Tokens read per KV head per step (--sparse).")
+@click.option("--sparse-arg", "sparse_args", multiple=True, metavar="K=V",
+              help="A method parameter, e.g. page_size=16 or gate_path=runs/smol.gates. Repeatable.")
 @model_options
-def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, device: str,
-             dtype: str) -> None:
+def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, sparse_method: str | None,
+             budget: int, sparse_args: tuple[str, ...], device: str, dtype: str) -> None:
+    from contextlib import nullcontext
+
     from retrofit.generation import stream_generate
     from retrofit.load import load
+    from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding
 
+    if sparse_args and not sparse_method:
+        raise RetrofitError("--sparse-arg needs --sparse METHOD")
+    params = parse_sparse_args(sparse_args, method=sparse_method) if sparse_method else {}
+    if sparse_method:
+        build_method(sparse_method, budget, **params)  # bad --sparse/--budget/--sparse-arg fail before loading
     loaded, tokenizer = load(model, dtype=dtype, device=device)
+    patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
     started = time.perf_counter()
-    new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, out=sys.stdout)
+    with patch:
+        new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, out=sys.stdout)
     seconds = time.perf_counter() - started
     click.echo(f"\n[{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s]", err=True)
 
@@ -85,3 +100,6 @@ from retrofit.bench.command import bench_command  # noqa: E402  (engineer E: ben
 
 main.add_command(eval_command)
 main.add_command(bench_command)
+from retrofit.sparse.gates import gates_command  # noqa: E402  (engineer S: SeerAttention gate training)
+
+main.add_command(gates_command)

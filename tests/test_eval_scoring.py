@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from retrofit.errors import RetrofitError
 from retrofit.eval.lambada import evaluate_lambada, load_lambada

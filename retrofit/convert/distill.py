@@ -3,7 +3,8 @@
 Stage 1 (layer-wise): one teacher pass per batch records the inputs and outputs of every selected attention layer;
 each converted layer is trained to reproduce its attention's output on the same inputs (relative MSE), all layers at
 once. Stage 2 (end to end): the hybrid is trained against the dense model's logits (KL, optional CE) with LoRA on the
-remaining attention and MLP projections (peft) and the new layers trained fully; LoRA is merged at the end.
+remaining attention and MLP projections from the first converted layer on (peft) and the new layers trained
+fully; LoRA is merged at the end.
 
 Runs unchanged under ``torchrun`` (DDP: one process per GPU; batches sharded by rank; rank 0 saves). Checkpoints
 every ``checkpoint_every`` steps; a resumed run ends with the same weights as an uninterrupted one.
@@ -222,11 +223,50 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
 
 
+class DecoderInputCapture:
+    """Records the input (hidden states and keyword arguments) of one decoder layer during a forward pass."""
+
+    def __init__(self, model: nn.Module, layer: int):
+        self.record: dict = {}
+        self.handle = model.model.layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        self.record = {"hidden_states": hidden, "kwargs": rest}
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class StudentTail(nn.Module):
+    """The hybrid from decoder layer ``first`` on: layers ``first..L-1``, final norm, LM head.
+
+    Layers below the first converted one compute exactly what the dense model computes (they are not adapted), so
+    stage 2 starts the student from the teacher's residual stream there instead of recomputing it.
+    """
+
+    def __init__(self, model: nn.Module, first: int):
+        super().__init__()
+        self.model, self.first = model, first
+
+    def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> logits ``[B, T, vocab]``."""
+        for layer in self.model.model.layers[self.first:]:
+            out = layer(hidden_states, **layer_kwargs)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        return self.model.lm_head(self.model.model.norm(hidden_states))
+
+
 def lora_target_names(model: nn.Module, converted: list[int], groups: list[str]) -> list[str]:
-    """Full module names of the projections LoRA adapts: attention q/k/v/o of the layers kept dense, MLP gate/up/down."""
+    """Full module names of the projections LoRA adapts, from the first converted layer on: attention q/k/v/o of
+    the layers kept dense and MLP gate/up/down."""
     names = []
     wanted = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    first = min(converted)
     for i, layer in enumerate(model.model.layers):
+        if i < first:
+            continue
         if "attention" in groups and i not in converted:
             names += [f"model.layers.{i}.self_attn.{p}" for p in wanted["attention"]
                       if isinstance(getattr(layer.self_attn, p, None), nn.Linear)]
@@ -265,8 +305,11 @@ class Distiller:
         return contextlib.nullcontext()
 
     def _sampler(self, stage: int) -> BatchSampler:
-        return BatchSampler(self.windows, self.config.batch_size, seed=self.config.seed * 10 + stage,
-                            rank=self.rank, world_size=self.world_size)
+        samplers = self.__dict__.setdefault("_samplers", {})
+        if stage not in samplers:
+            samplers[stage] = BatchSampler(self.windows, self.config.batch_size, seed=self.config.seed * 10 + stage,
+                                           rank=self.rank, world_size=self.world_size)
+        return samplers[stage]
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         if self.world_size == 1:
@@ -390,20 +433,26 @@ class Distiller:
             param_groups.append({"params": lora_params, "lr": self.config.lr_lora})
         opt, sched = self._optimizer(param_groups, self.plan.stage2_steps)
         start = self._resume_point(2, model, opt, sched)
-        wrapped = self._wrap(model)
+        first = min(self.layers)
+        wrapped = self._wrap(StudentTail(self.hybrid, first))
+        capture = DecoderInputCapture(self.dense, first)
 
         def step_fn(batch):
             with self._autocast():
                 with torch.no_grad():
                     teacher = self.dense(input_ids=batch, use_cache=False).logits
-                student = wrapped(input_ids=batch, use_cache=False).logits
+                record = capture.record
+                student = wrapped(record["hidden_states"], record["kwargs"])
                 loss = kl_loss(student, teacher, self.config.temperature)
                 if self.config.ce_weight > 0:
                     loss = loss + self.config.ce_weight * F.cross_entropy(
                         student[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten())
             return loss
 
-        self._loop(2, self.plan.stage2_steps, start, step_fn, new_params + lora_params, opt, sched, model)
+        try:
+            self._loop(2, self.plan.stage2_steps, start, step_fn, new_params + lora_params, opt, sched, model)
+        finally:
+            capture.remove()
         if use_lora:
             model = model.merge_and_unload()
         model.requires_grad_(False)

@@ -71,27 +71,27 @@ def _init_distributed(device: str | None) -> torch.device:
     return parse_device(device)
 
 
-def convert(model: str, to: str | None = None, layers: str | None = None, data: list[str] | None = None,
+def convert(model, to: str | None = None, layers: str | None = None, data: list[str] | None = None,
             out: str | os.PathLike | None = None, tokens: int | None = None, recipe: str | None = None,
             resume: bool = False, overwrite: bool = False, device: str | None = None, show_progress: bool = True,
             on_step: Callable[[int, int], None] | None = None, **overrides) -> Path:
     """Convert ``model`` to a hybrid and save it to ``out`` (returns ``out``).
 
+    ``model``: anything :func:`retrofit.load` takes (directory, .gguf, hub id, alias), or an already loaded
+    ``(model, tokenizer)`` pair (float32; left unchanged: the hybrid gets its own copy of the weights).
+
     Arguments left None come from the ``recipe`` (YAML); ``overrides`` are DistillConfig fields (CLI options).
     Raises :class:`RetrofitError` on bad input: unknown ``to``, bad ``layers``, empty data, ``tokens <= 0``,
     an existing ``out`` without ``overwrite``, an unsupported attention layout.
     """
-    from retrofit.convert.checkpoint import work_dir_for
-    from retrofit.convert.data import calibration_files, token_windows
-    from retrofit.convert.distill import DistillConfig, Distiller, Plan, distributed
-    from retrofit.convert.hybrid import HybridSection, save_hybrid, to_hybrid
+    from retrofit.convert.data import calibration_files
+    from retrofit.convert.distill import DistillConfig
     from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
     from retrofit.load import load
-    from retrofit.model_info import attention_layout
-    from retrofit.select import choose, parse_layer_spec, ranking_table, score_layers
 
     settings = load_recipe(recipe)
-    given = {"model": model, "to": to, "layers": layers, "data": data, "tokens": tokens, "device": device}
+    preloaded = model if isinstance(model, tuple) else None
+    given = {"model": None if preloaded else model, "to": to, "layers": layers, "data": data, "tokens": tokens, "device": device}
     settings.update({k: v for k, v in given.items() if v is not None})
     settings.update({k: v for k, v in overrides.items() if v is not None})
     if out is None:
@@ -115,8 +115,33 @@ def convert(model: str, to: str | None = None, layers: str | None = None, data: 
         raise RetrofitError(f"bad setting: {err}") from None
 
     torch_device = _init_distributed(settings.get("device"))
+    if preloaded is not None:
+        dense, tokenizer = preloaded
+        dense = dense.to(torch_device)
+        settings.setdefault("model", getattr(dense.config, "_name_or_path", "") or type(dense).__name__)
+    else:
+        if not settings.get("model"):
+            raise RetrofitError("no model given (MODEL argument or `model:` in the recipe)")
+        dense, tokenizer = load(settings["model"], dtype="float32", device=torch_device)
+    grad_flags = {name: p.requires_grad for name, p in dense.named_parameters()}
+    try:
+        return _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume,
+                               overwrite, show_progress, on_step)
+    finally:
+        for name, p in dense.named_parameters():
+            p.requires_grad_(grad_flags[name])
+
+
+def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume, overwrite,
+                    show_progress, on_step) -> Path:
+    from retrofit.convert.checkpoint import work_dir_for
+    from retrofit.convert.data import token_windows
+    from retrofit.convert.distill import Distiller, Plan, distributed
+    from retrofit.convert.hybrid import HybridSection, save_hybrid, to_hybrid
+    from retrofit.model_info import attention_layout
+    from retrofit.select import choose, parse_layer_spec, ranking_table, score_layers
+
     rank, world = distributed()
-    dense, tokenizer = load(settings["model"], dtype="float32", device=torch_device)
     layout = attention_layout(dense)
     parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), layout.num_layers)
     plan = Plan.from_config(config, world)

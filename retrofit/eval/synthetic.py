@@ -193,12 +193,14 @@ def _vt(rng, size, haystack, depth):
 
 
 def _cwe(rng, size, haystack, depth):
-    """10 common words, each ``freq_common`` times, among ``size`` uncommon words each ``freq_rare`` times.
-    RULER uses 30 and 3; shorter windows scale both down (common stays >= 2x rare) so the list still fits."""
+    """A numbered list of ``size`` entries: 10 common words, each ``freq_common`` times, and rare words each
+    ``freq_rare`` times. RULER uses 30 and 3; shorter lists scale both down (``freq_common = size // 25`` within
+    2..30, ``freq_rare = freq_common // 10`` within 1..3), so common words always appear >= 2x as often."""
     num_common = 10
-    freq_common = max(4, min(30, size // 4))
-    freq_rare = max(1, min(3, freq_common // 5))
-    words = _pseudo_words(rng, num_common + size)
+    freq_common = max(2, min(30, size // 25))
+    freq_rare = max(1, min(3, freq_common // 10))
+    num_rare = max(1, (size - num_common * freq_common) // freq_rare)
+    words = _pseudo_words(rng, num_common + num_rare)
     listing = [w for w in words[:num_common] for _ in range(freq_common)]
     listing += [w for w in words[num_common:] for _ in range(freq_rare)]
     rng.shuffle(listing)

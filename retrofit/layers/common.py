@@ -3,6 +3,7 @@ the gated output norm, padding masks and the generation-cache plumbing for linea
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -142,14 +143,21 @@ def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     return x + torch.log(-torch.expm1(-x))
 
 
-def init_decay(A_log: nn.Parameter, dt_bias: nn.Parameter, spec: LinearAttentionSpec) -> None:
-    """``A = 1`` and ``dt`` log-uniform in [decay_min, decay_max] per state row: ``g = -dt`` at init (slow decay)."""
+def init_decay(A_log: nn.Parameter, dt_bias: nn.Parameter, spec: LinearAttentionSpec, repeat: int = 1) -> None:
+    """``A = 1`` and ``dt`` log-uniform in [decay_min, decay_max]: ``g = -dt`` at init (slow decay, several time scales).
+
+    ``dt_bias`` is ``[H_kv]`` (GDN) or ``[H_kv * K]`` (KDA). With ``repeat > 1`` (kv heads expanded to query heads)
+    each group of ``repeat`` heads gets the values of the kv head it copies, so the expanded layer computes the same
+    function as the grouped one at initialisation.
+    """
     with torch.no_grad():
         A_log.zero_()
-        u = torch.rand(dt_bias.shape, generator=torch.Generator().manual_seed(0))
-        dt = torch.exp(u * (torch.log(torch.tensor(spec.decay_max)) - torch.log(torch.tensor(spec.decay_min)))
-                       + torch.log(torch.tensor(spec.decay_min)))
-        dt_bias.copy_(inverse_softplus(dt))
+        rows = dt_bias.view(A_log.shape[0], -1)
+        base_shape = (rows.shape[0] // repeat, rows.shape[1])
+        u = torch.rand(base_shape, generator=torch.Generator().manual_seed(0))
+        lo, hi = math.log(spec.decay_min), math.log(spec.decay_max)
+        dt = torch.exp(lo + u * (hi - lo)).repeat_interleave(repeat, dim=0)
+        rows.copy_(inverse_softplus(dt))
 
 
 class ShortConvolution(nn.Module):

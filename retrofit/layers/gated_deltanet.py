@@ -80,7 +80,7 @@ class GatedDeltaNetAttention(nn.Module):
             self.b_proj.weight.zero_()
             self.b_proj.bias.fill_(logit(self.spec.beta_init))
             self.a_proj.weight.zero_()
-            init_decay(self.A_log, self.dt_bias, self.spec)
+            init_decay(self.A_log, self.dt_bias, self.spec, repeat=self.num_kv_heads // self.shape.num_kv_heads)
             self.g_proj.weight.zero_()
             self.g_proj.bias.fill_(logit(self.spec.gate_init))
 

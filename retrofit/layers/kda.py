@@ -42,7 +42,7 @@ class KimiDeltaAttention(GatedDeltaNetAttention):
             self.f_b_proj.weight.zero_()
             self.g_b_proj.weight.zero_()
             self.g_b_proj.bias.fill_(logit(self.spec.gate_init))
-            init_decay(self.A_log, self.dt_bias, self.spec)
+            init_decay(self.A_log, self.dt_bias, self.spec, repeat=self.num_kv_heads // self.shape.num_kv_heads)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, T, hidden]`` -> per-channel log decay ``[B, T, H_kv, head_dim]`` (fp32, in [lower bound, 0])."""

@@ -27,7 +27,7 @@ def chunk_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     C = chunk_size or (16 if per_channel else 32)  # per-channel decay builds [C, C, K] blocks: keep them small
     scale = K ** -0.5 if scale is None else scale
     pad = (-T) % C
-    f32 = torch.float32
+    f32 = torch.float64 if q.dtype == torch.float64 else torch.float32  # compute dtype
 
     def chunks(x: torch.Tensor) -> torch.Tensor:
         # [B, T, H, *rest] -> [B, H, N, C, *rest]

@@ -44,6 +44,7 @@ class SparseLayer(CacheLayerMixin):
         self.padding_known = False
         self.new_start = 0
         self.returned_keys: torch.Tensor | None = None
+        self.sparse_steps = 0  # decode steps that ran the sparse kernel (not the dense fallback)
 
     # -- storage -------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

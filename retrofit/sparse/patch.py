@@ -117,6 +117,7 @@ class SparseSession:
         if selection is None:
             return self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         attend = sparse_decode_attention if layer.use_triton(q) else sparse_decode_attention_ref
+        layer.sparse_steps += 1
         out = attend(q, layer.keys, layer.values, selection.indices, selection.counts, layer.kv_start, layer.kv_end,
                      block_size=selection.block_size, scale=scaling)
         return out[:, None, :, :], None

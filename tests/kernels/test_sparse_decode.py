@@ -1,0 +1,158 @@
+"""Sparse-decode Triton kernels against their PyTorch references (kernels/sparse_decode/reference.py).
+
+CPU: Triton interpreter, float32. Tolerance FP32_TOL = 1e-5 relative RMS: kernel and reference do the same fp32 math
+with a different summation order (online softmax in exp2, split merge); the observed error is ~1e-7, while a wrong
+head, a wrong block, an unmasked padding position or a dropped split gives errors of order 1e-1.
+GPU (marked ``gpu``): bfloat16 inputs; BF16_TOL = 2e-2 because the kernel rounds the softmax weights to bf16 before
+the P.V product (as flash attention does) while the reference stays in fp32.
+Every output buffer the kernels allocate is NaN-poisoned, so unwritten memory fails the comparison.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _testing import nan_poisoned_allocations, rel_rms
+from retrofit.kernels.sparse_decode import (
+    cluster_scores,
+    cluster_scores_ref,
+    quest_page_scores,
+    quest_page_scores_ref,
+    sparse_decode_attention,
+    sparse_decode_attention_ref,
+)
+
+FP32_TOL = 1e-5  # see module docstring
+BF16_TOL = 2e-2  # see module docstring
+
+# (B, Hq, Hkv, D, N, block_size, S): N is the context length (1, 63, 75 awkward); Hq=9/Hkv=3 is SmolLM2's GQA
+ATTENTION_CASES = {
+    "smollm2-tokens-N75": (2, 9, 3, 64, 75, 1, 40),
+    "single-token-S1-N1": (1, 9, 3, 64, 1, 1, 1),
+    "pages16-N75-partial-last-page": (2, 9, 3, 64, 75, 16, 3),
+    "pages16-N63": (3, 4, 2, 64, 63, 16, 4),
+    "mha-D48-N63": (1, 3, 3, 48, 63, 1, 63),
+    "blocks64-N75": (2, 8, 1, 32, 75, 64, 2),
+}
+
+
+def _attention_inputs(B, Hq, Hkv, D, N, block_size, S, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=gen)
+    k = torch.randn(B, Hkv, N, D, generator=gen)
+    v = torch.randn(B, Hkv, N, D, generator=gen)
+    blocks = -(-N // block_size)
+    S = min(S, blocks)
+    indices = torch.stack([torch.stack([torch.randperm(blocks, generator=gen)[:S] for _ in range(Hkv)])
+                           for _ in range(B)]).to(torch.int32)
+    counts = torch.randint(0, S + 1, (B, Hkv), generator=gen, dtype=torch.int32)
+    counts[0, 0] = S  # at least one full row
+    kv_start = torch.randint(0, max(N // 4, 1), (B,), generator=gen, dtype=torch.int32)
+    kv_start[0] = 0
+    kv_end = torch.full((B,), N, dtype=torch.int32)
+    kv_end[-1] = max(int(kv_start[-1]) + 1, N - 2)  # ragged valid ends
+    as_device = lambda t: t.to(device)  # noqa: E731
+    return (as_device(q.to(dtype)), as_device(k.to(dtype)), as_device(v.to(dtype)), as_device(indices),
+            as_device(counts), as_device(kv_start), as_device(kv_end))
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
+@pytest.mark.parametrize("case", list(ATTENTION_CASES), ids=list(ATTENTION_CASES))
+def test_sparse_decode_attention_matches_reference_fp32(case, splits):
+    B, Hq, Hkv, D, N, block_size, S = ATTENTION_CASES[case]
+    q, k, v, indices, counts, kv_start, kv_end = _attention_inputs(B, Hq, Hkv, D, N, block_size, S)
+    with nan_poisoned_allocations():
+        out = sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size, num_splits=splits)
+    expected = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, block_size)
+    assert not out.isnan().any()
+    assert rel_rms(out, expected) < FP32_TOL
+
+
+def test_sparse_decode_attention_empty_rows_give_zeros_and_full_selection_is_dense():
+    """counts = 0 -> zeros; selecting every position equals dense softmax attention (SDPA) exactly (fp32)."""
+    B, Hq, Hkv, D, N = 2, 9, 3, 64, 75
+    q, k, v, _, _, _, _ = _attention_inputs(B, Hq, Hkv, D, N, 1, 1)
+    everything = torch.arange(N, dtype=torch.int32).expand(B, Hkv, N).contiguous()
+    full = torch.full((B, Hkv), N, dtype=torch.int32)
+    start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), N, dtype=torch.int32)
+    out = sparse_decode_attention(q, k, v, everything, full, start, end, 1, num_splits=2)
+    dense = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    assert rel_rms(out, dense) < FP32_TOL
+    empty = sparse_decode_attention(q, k, v, everything, torch.zeros_like(full), start, end, 1)
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
+SCORE_CASES = {"P1": 1, "P63": 63, "P75": 75}
+
+
+@pytest.mark.parametrize("num_pages", list(SCORE_CASES.values()), ids=list(SCORE_CASES))
+def test_quest_page_scores_match_reference_fp32(num_pages):
+    gen = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, D, page = 2, 9, 3, 64, 16
+    q = torch.randn(B, Hq, D, generator=gen)
+    a, b = torch.randn(2, B, Hkv, num_pages + 5, D, generator=gen)  # capacity beyond the valid pages
+    page_min, page_max = torch.minimum(a, b), torch.maximum(a, b)
+    kv_start = torch.tensor([0, 37], dtype=torch.int32)  # row 1: pages 0 and 1 are padding only
+    with nan_poisoned_allocations():
+        scores = quest_page_scores(q, page_min, page_max, num_pages, kv_start, page)
+    expected = quest_page_scores_ref(q, page_min, page_max, num_pages, kv_start, page)
+    assert torch.equal(torch.isinf(scores), torch.isinf(expected))
+    finite = ~torch.isinf(expected)
+    assert finite[0].all() and rel_rms(scores[finite], expected[finite]) < FP32_TOL
+    # Quest's score bounds every key inside the page: q.k <= score for the group's best head
+    keys = page_min + torch.rand(page_min.shape, generator=gen) * (page_max - page_min)
+    logits = torch.einsum("bhgd,bhpd->bhgp", q.view(B, Hkv, 3, D), keys[:, :, :num_pages]).amax(2)
+    assert (logits[finite] <= scores[finite] + 1e-4).all()
+
+
+@pytest.mark.parametrize("num_clusters", list(SCORE_CASES.values()), ids=list(SCORE_CASES))
+def test_cluster_scores_match_reference_fp32(num_clusters):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 9, 64, generator=gen)
+    centroids = torch.randn(2, 3, num_clusters + 3, 64, generator=gen)
+    with nan_poisoned_allocations():
+        scores = cluster_scores(q, centroids, num_clusters)
+    assert rel_rms(scores, cluster_scores_ref(q, centroids, num_clusters)) < FP32_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ATTENTION_CASES), ids=list(ATTENTION_CASES))
+def test_sparse_decode_attention_bf16_gpu(case):
+    B, Hq, Hkv, D, N, block_size, S = ATTENTION_CASES[case]
+    q, k, v, indices, counts, kv_start, kv_end = _attention_inputs(B, Hq, Hkv, D, N, block_size, S,
+                                                                   dtype=torch.bfloat16, device="cuda")
+    with nan_poisoned_allocations():
+        out = sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size)
+    expected = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, block_size)
+    assert rel_rms(out, expected) < BF16_TOL
+
+
+@pytest.mark.gpu
+def test_sparse_decode_attention_bf16_gpu_llama3_shapes():
+    """Llama-3-8B decode shapes at 32K context, budget 2048 in pages of 16, batch 8 (the benchmark's setting)."""
+    B, Hq, Hkv, D, N, page = 8, 32, 8, 128, 32768, 16
+    q, k, v, _, _, kv_start, kv_end = _attention_inputs(B, Hq, Hkv, D, N, page, 1, dtype=torch.bfloat16,
+                                                        device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    indices = torch.rand(B, Hkv, N // page, device="cuda", generator=gen).topk(2048 // page).indices.to(torch.int32)
+    counts = torch.full((B, Hkv), 2048 // page, device="cuda", dtype=torch.int32)
+    out = sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, page)
+    expected = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, page)
+    assert rel_rms(out, expected) < BF16_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_pages", [1, 63, 75, 8192], ids=["P1", "P63", "P75", "P8192"])
+def test_scores_bf16_gpu(num_pages):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    B, Hq, Hkv, D = 2, 32, 8, 128
+    q = torch.randn(B, Hq, D, device="cuda", generator=gen).bfloat16()
+    a, b = torch.randn(2, B, Hkv, num_pages, D, device="cuda", generator=gen).bfloat16()
+    page_min, page_max = torch.minimum(a, b), torch.maximum(a, b)
+    kv_start = torch.tensor([0, 20], device="cuda", dtype=torch.int32)
+    scores = quest_page_scores(q, page_min, page_max, num_pages, kv_start, 16)
+    expected = quest_page_scores_ref(q, page_min, page_max, num_pages, kv_start, 16)
+    finite = ~torch.isinf(expected)
+    assert torch.equal(torch.isinf(scores), ~finite)
+    assert rel_rms(scores[finite], expected[finite]) < BF16_TOL  # fp32 accumulation of exact bf16 products
+    assert rel_rms(cluster_scores(q, a, num_pages), cluster_scores_ref(q, a, num_pages)) < BF16_TOL

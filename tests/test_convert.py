@@ -1,0 +1,206 @@
+"""Dense SmolLM2 -> hybrid (GDN) -> saved -> loaded back: round trips, decoding, resume, bad input.
+
+The hybrid used here is built ONCE per session by the real pipeline (recipe smollm2-135m/cpu-small, with a smaller
+token budget so CI stays fast) from the real calibration books.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import retrofit
+from retrofit.convert.checkpoint import STATE_FILE, work_dir_for
+from retrofit.convert.command import convert_command
+from retrofit.convert.hybrid import HybridSection, load_hybrid, register, save_hybrid, to_hybrid
+from retrofit.convert.pipeline import convert
+from retrofit.errors import RetrofitError
+from retrofit.layers import GatedDeltaNetAttention
+from retrofit.layers.common import use_backend
+
+PROMPT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+          "foolishness, it was the epoch of belief, it was the epoch of incredulity")
+SMALL = dict(tokens=2048, seq_len=64, batch_size=4, checkpoint_every=0)  # 8 steps: 4 align + 4 distill
+
+
+@pytest.fixture(scope="session")
+def small_hybrid(smollm2, calib_data_dir, tmp_path_factory):
+    """Path of a GDN hybrid of SmolLM2 (layers 13 and 22 converted) distilled on 2K tokens of the calibration books."""
+    out = tmp_path_factory.mktemp("hybrid") / "smollm2-gdn-small"
+    convert(smollm2, recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], out=out, show_progress=False,
+            **SMALL)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    _, tokenizer = smollm2
+    return tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def test_checkpoint_keeps_base_architecture_and_retrofit_section(small_hybrid, smollm2):
+    config = json.loads((small_hybrid / "config.json").read_text())
+    dense_config = smollm2[0].config
+    assert config["model_type"] == "retrofit_llama"
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert config[key] == getattr(dense_config, key)
+    section = config["retrofit"]
+    assert section["layers"] == [13, 22] and section["layer_type"] == "gdn" and section["version"] == 1
+    assert section["distillation"]["stage1_steps"] == 4 and section["distillation"]["stage2_steps"] == 4
+    assert [i for i, t in enumerate(config["layer_types"]) if t == "linear_attention"] == [13, 22]
+    assert (small_hybrid / "model.safetensors").is_file() and (small_hybrid / "tokenizer.json").is_file()
+    assert not work_dir_for(small_hybrid).exists()  # training checkpoint removed after a successful run
+
+
+def test_distillation_changed_the_converted_layers(small_hybrid, smollm2):
+    """The saved layer is not its initialisation: both stages trained it (and LoRA was merged into the rest)."""
+    dense, _ = smollm2
+    trained = load_hybrid(small_hybrid)
+    fresh = to_hybrid(dense, HybridSection(layers=[13, 22], layer_type="gdn", base_model_type="llama"))
+    a, b = trained.model.layers[13].self_attn, fresh.model.layers[13].self_attn
+    assert isinstance(a, GatedDeltaNetAttention)
+    assert (a.o_norm.weight - b.o_norm.weight).abs().max() > 1e-4  # 8 AdamW steps at lr ~1e-3 move it ~1e-3
+    # LoRA (from the first converted layer on) merged into a dense layer's MLP; layers below 13 are untouched
+    assert (trained.model.layers[14].mlp.up_proj.weight - dense.model.layers[14].mlp.up_proj.weight).abs().max() > 0
+    assert torch.equal(trained.model.layers[12].mlp.up_proj.weight, dense.model.layers[12].mlp.up_proj.weight)
+
+
+def test_save_load_gives_identical_logits(small_hybrid, prompt_ids, tmp_path):
+    model = load_hybrid(small_hybrid)
+    with torch.no_grad():
+        expected = model(prompt_ids).logits
+    loaded, tokenizer = retrofit.load(str(small_hybrid), dtype="float32")
+    register()
+    auto = AutoModelForCausalLM.from_pretrained(str(small_hybrid)).eval()
+    save_hybrid(model, tokenizer, tmp_path / "again")
+    again = load_hybrid(tmp_path / "again")
+    with torch.no_grad():
+        for other in (loaded, auto, again):
+            # the same float32 weights and the same code: bit-identical logits
+            assert torch.equal(other(prompt_ids).logits, expected)
+    assert type(auto).__name__ == "RetrofitLlamaForCausalLM"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_then_decode_equals_full_forward(small_hybrid, prompt_ids, backend):
+    """Prompt prefill (chunk path) + token-by-token decode (recurrent kernel, conv update, KV for dense layers)
+    reproduces the full forward's logits; ``triton`` runs the project's kernels (interpreter on CPU)."""
+    model = load_hybrid(small_hybrid)
+    T, prefill = prompt_ids.shape[1], 20
+    with torch.no_grad(), use_backend(backend):
+        full = model(prompt_ids).logits
+        cache = DynamicCache(config=model.config)
+        pieces = [model(prompt_ids[:, :prefill], cache=cache, use_cache=True).logits]
+        for t in range(prefill, T):
+            pieces.append(model(prompt_ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+    stepwise = torch.cat(pieces, dim=1)
+    # float32 throughout; the task's bar for decode vs full forward is 1e-3 max abs logit difference
+    assert (stepwise - full).abs().max().item() < 1e-3
+    assert type(cache.layers[13]).__name__ == "LinearAttentionLayer" and cache.layers[13].recurrent_states[0].shape == (1, 3, 64, 64)
+    assert cache.layers[0].keys.shape[2] == T  # dense layers keep their KV cache
+
+
+def test_generate_matches_greedy_full_forward(small_hybrid, prompt_ids):
+    """``model.generate`` (transformers' own loop and cache) gives the tokens a greedy argmax over full forwards gives."""
+    model = load_hybrid(small_hybrid)
+    with torch.no_grad():
+        generated = model.generate(prompt_ids, max_new_tokens=6, do_sample=False)
+        ids = prompt_ids
+        for _ in range(6):
+            next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    assert torch.equal(generated, ids)
+
+
+def test_resume_reaches_the_same_weights(smollm2, calib_data_dir, tmp_path):
+    """A run interrupted in stage 2 and resumed from its last checkpoint ends with the weights of an uninterrupted run."""
+    settings = dict(recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], layers="22", tokens=768, seq_len=32,
+                    batch_size=2, checkpoint_every=2, show_progress=False)
+    convert(smollm2, out=tmp_path / "straight", **settings)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_in_stage2(stage, step):
+        if stage == 2 and step == 4:  # after the checkpoint of step 4 (steps 0..3 done) and one more step
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        convert(smollm2, out=tmp_path / "resumed", on_step=stop_in_stage2, **settings)
+    assert not (tmp_path / "resumed").exists()  # no half-written checkpoint
+    assert (work_dir_for(tmp_path / "resumed") / STATE_FILE).is_file()
+    convert(smollm2, out=tmp_path / "resumed", resume=True, **settings)
+    a = load_hybrid(tmp_path / "straight").state_dict()
+    b = load_hybrid(tmp_path / "resumed").state_dict()
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6  # the task's bar: same final weights within 1e-6
+
+
+@pytest.fixture
+def run_cli():
+    """Invoke ``retrofit convert`` through the project's CLI group (RetrofitError -> one line, exit code 2)."""
+    from retrofit._entry import cli_module
+
+    group_cls = cli_module().RetrofitGroup
+    group = group_cls(commands={"convert": convert_command})
+
+    def run(*args):
+        return CliRunner().invoke(group, ["convert", *map(str, args)])
+
+    return run
+
+
+def test_bad_inputs_raise_one_retrofit_error_each(smollm2, calib_data_dir, tmp_path):
+    data = [str(calib_data_dir)]
+    base = dict(recipe="smollm2-135m/cpu-small", show_progress=False, **SMALL)
+    with pytest.raises(RetrofitError, match=r"unknown layer type 'gdnn' \(did you mean 'gdn'\?\)"):
+        convert(smollm2, to="gdnn", data=data, out=tmp_path / "a", **base)
+    with pytest.raises(RetrofitError, match="layer index 30 is out of range: the model has 30 layers"):
+        convert(smollm2, layers="3,30", data=data, out=tmp_path / "b", **base)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(RetrofitError, match="calibration file .*empty.txt is empty"):
+        convert(smollm2, data=[str(empty)], out=tmp_path / "c", **base)
+    with pytest.raises(RetrofitError, match="--tokens must be > 0"):
+        convert(smollm2, data=data, out=tmp_path / "d", **{**base, "tokens": 0})
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(RetrofitError, match="exists; pass --overwrite"):
+        convert(smollm2, data=data, out=tmp_path / "exists", **base)
+    with pytest.raises(RetrofitError, match="evaluation set"):
+        convert(smollm2, data=[str(calib_data_dir.parent / "eval" / "wikitext2_test.raw")], out=tmp_path / "e", **base)
+    assert not {p.name for p in tmp_path.iterdir()} & set("abcde")  # nothing written by a refused run
+
+
+def test_unsupported_attention_layout_names_the_module(smollm2, calib_data_dir, tmp_path):
+    model, tokenizer = smollm2
+    block = model.model.layers[4]
+    original = block.self_attn
+
+    class FusedQKVAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(576, 3 * 576)
+            self.o_proj = original.o_proj
+
+    block.self_attn = FusedQKVAttention()
+    try:
+        with pytest.raises(RetrofitError, match=r"FusedQKVAttention at model\.layers\.4\.self_attn"):
+            convert((model, tokenizer), data=[str(calib_data_dir)], out=tmp_path / "x",
+                    recipe="smollm2-135m/cpu-small", show_progress=False, **SMALL)
+    finally:
+        block.self_attn = original
+
+
+def test_cli_reports_bad_input_on_one_line_with_exit_code_2(run_cli, calib_data_dir, tmp_path):
+    result = run_cli("smollm2-135m", "--to", "mamba", "--data", calib_data_dir, "--out", tmp_path / "o")
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown layer type 'mamba'" in lines[0]
+    result = run_cli("smollm2-135m", "--tokens", "-5", "--data", calib_data_dir, "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "--tokens must be > 0" in result.output
+    assert isinstance(convert_command, click.Command) and "--resume" in convert_command.get_help(click.Context(convert_command))

@@ -1,0 +1,96 @@
+"""`retrofit eval` end to end and its one-line errors (exit code 2), through click's CliRunner on the real group."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from retrofit._entry import cli_module
+from retrofit.errors import RetrofitError
+from retrofit.eval.runner import EvalReport
+from retrofit.eval.table import markdown_table
+from retrofit.eval.variants import parse_variant_spec, variants_from_options
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli_module().main, list(args))
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_unknown_task_suggests_the_closest(eval_data_dir):
+    result = run("eval", "smollm2-135m", "--tasks", "piqa,arc_eazy", "--data-dir", str(eval_data_dir))
+    assert_one_line_error(result, "unknown task 'arc_eazy'", "did you mean 'arc_easy'")
+
+
+def test_missing_data_file(tmp_path):
+    result = run("eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", str(tmp_path))
+    assert_one_line_error(result, "data file not found", "piqa.jsonl")
+    result = run("eval", "smollm2-135m", "--tasks", f"ppl:{tmp_path / 'nothing.txt'}")
+    assert_one_line_error(result, "data file not found", "nothing.txt")
+
+
+@pytest.mark.parametrize("limit", ["0", "-3"])
+def test_non_positive_limit(eval_data_dir, limit):
+    result = run("eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", str(eval_data_dir), "--limit", limit)
+    assert_one_line_error(result, "--limit must be a positive number", limit)
+
+
+def test_context_length_over_the_model_limit():
+    # SmolLM2 has max_position_embeddings = 8192; the check runs after the model is loaded
+    result = run("eval", "smollm2-135m", "--tasks", "passkey", "--context-length", "16k", "--limit", "1")
+    assert_one_line_error(result, "--context-length 16384 is over the model's limit of 8192")
+
+
+def test_variant_options_need_their_partner():
+    result = run("eval", "smollm2-135m", "--tasks", "passkey", "--budget", "256")
+    assert_one_line_error(result, "--budget needs --sparse")
+
+
+def test_eval_writes_json_and_prints_the_table(eval_data_dir, tmp_path):
+    out = tmp_path / "nested" / "eval.json"
+    result = run("eval", "smollm2-135m", "--tasks", "arc_easy", "--data-dir", str(eval_data_dir), "--limit", "3",
+                 "--device", "cpu", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert list(payload["results"]) == ["dense"]
+    metrics = payload["results"]["dense"]["arc_easy"]
+    assert set(metrics) == {"acc", "acc_norm"} and all(v in (0, 1 / 3, 2 / 3, 1) for v in metrics.values())
+    assert payload["config"]["limit"] == 3 and payload["config"]["dtype"] == "float32"
+    assert payload["throughput"]["dense"]["tokens_per_s"] > 0
+    assert not list(out.parent.glob(".*.tmp"))  # the temporary file was renamed, not left behind
+    table = result.stdout.strip().splitlines()
+    assert table[0] == "| task / metric | dense |"
+    assert table[2].startswith("| arc_easy acc (%) |") and table[-1].startswith("| tokens/s |")
+
+
+def test_variant_spec_strings_and_names():
+    assert parse_variant_spec("quest:budget=256,page_size=16").name == "quest@256,page_size=16"
+    assert parse_variant_spec("dense").name == "dense"
+    names = [v.name for v in variants_from_options(["quest", "streaming"], [256, 1024], [], [], [])]
+    assert names == ["quest@256", "quest@1024", "streaming@256", "streaming@1024"]
+    with pytest.raises(RetrofitError, match="integer budget"):
+        parse_variant_spec("quest:page_size=16")
+    with pytest.raises(RetrofitError, match="given twice"):
+        variants_from_options(["quest"], [256], [], [], ["quest:budget=256"])
+    with pytest.raises(RetrofitError, match="no such directory"):
+        variants_from_options([], [], [], ["/no/such/hybrid"], [])
+
+
+def test_table_shows_deltas_to_dense_and_speed_ratio():
+    report = EvalReport(
+        results={"dense": {"piqa": {"acc": 0.625}, "wikitext2": {"ppl": 23.94}},
+                 "quest@256": {"piqa": {"acc": 0.6}, "wikitext2": {"ppl": 24.5}}},
+        throughput={"dense": {"tokens_per_s": 100.0}, "quest@256": {"tokens_per_s": 250.0}})
+    lines = markdown_table(report).splitlines()
+    assert lines[0] == "| task / metric | dense | quest@256 |"
+    assert lines[2] == "| piqa acc (%) | 62.500 | 60.000 (-2.500) |"
+    assert lines[3] == "| wikitext2 ppl | 23.940 | 24.500 (+0.560) |"
+    assert lines[4] == "| tokens/s | 100.0 | 250.0 (2.50x) |"

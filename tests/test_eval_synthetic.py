@@ -1,0 +1,107 @@
+"""RULER-style synthetic tasks: deterministic generation, prompts that fit the window, answers in the prompt,
+scorers on hand-made outputs, and LEFT-padded batched generation equal to one-at-a-time generation."""
+from __future__ import annotations
+
+import pytest
+
+from retrofit.errors import RetrofitError
+from retrofit.eval.generation import greedy_generate
+from retrofit.eval.synthetic import (NOISE, SYNTHETIC_TASKS, Haystack, SyntheticItem, generate_items,
+                                     insert_at_depths, score_outputs)
+
+TASK_NAMES = SYNTHETIC_TASKS.names()
+
+
+def test_registry_has_the_ruler_tasks():
+    assert set(TASK_NAMES) == {"niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "fwe", "passkey"}
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+@pytest.mark.parametrize("length", [1024, 3000])
+def test_prompt_fits_requested_context(smollm2, task, length):
+    _, tokenizer = smollm2
+    items = generate_items(task, tokenizer, length, seeds=[0], num_items=3)
+    for item in items:
+        # the prompt plus the tokens to generate fit the window, and the haystack fills at least 90% of it
+        assert 0.9 * length <= len(item.prompt_ids) <= length - item.max_new_tokens
+        prompt = tokenizer.decode(list(item.prompt_ids))
+        for answer in item.answers:
+            assert answer in prompt, f"{task}: answer {answer!r} missing from the prompt"
+        assert prompt.startswith("<|im_start|>")  # SmolLM2 has a chat template: prompts go through it
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_generation_is_deterministic_per_seed(smollm2, task):
+    _, tokenizer = smollm2
+    first = generate_items(task, tokenizer, 1024, seeds=[7], num_items=2)
+    again = generate_items(task, tokenizer, 1024, seeds=[7], num_items=2)
+    other = generate_items(task, tokenizer, 1024, seeds=[8], num_items=2)
+    assert first == again
+    assert [i.answers for i in first] != [i.answers for i in other]
+    assert first[0].answers != first[1].answers  # items within a seed differ too
+
+
+def test_needle_depth_sweeps_the_haystack(smollm2):
+    _, tokenizer = smollm2
+    items = generate_items("passkey", tokenizer, 2048, seeds=[0], num_items=5)
+    offsets = []
+    for item in items:
+        text = tokenizer.decode(list(item.prompt_ids))
+        offsets.append(text.index(f"The pass key is {item.answers[0]}") / len(text))
+    assert offsets == sorted(offsets)
+    assert offsets[0] < 0.1 and offsets[-1] > 0.85  # depth 0% near the start, 100% at the end of the haystack
+
+
+def test_haystack_file_replaces_noise(smollm2, eval_data_dir):
+    _, tokenizer = smollm2
+    haystack = Haystack(eval_data_dir / "moby_dick_body.txt")
+    items = generate_items("niah_single", tokenizer, 1024, seeds=[0], num_items=2, haystack=haystack)
+    text = tokenizer.decode(list(items[0].prompt_ids))
+    assert NOISE not in text
+    assert any(word in text for word in ("whale", "sea", "ship", "Ahab", "I"))
+    assert 0.9 * 1024 <= len(items[0].prompt_ids) <= 1024
+    with pytest.raises(RetrofitError, match="not found"):
+        Haystack(eval_data_dir / "no_such_haystack.txt")
+
+
+def test_too_short_context_is_a_user_error(smollm2):
+    _, tokenizer = smollm2
+    with pytest.raises(RetrofitError, match="too short for cwe"):
+        generate_items("cwe", tokenizer, 64, seeds=[0], num_items=1)
+
+
+def test_insert_at_depths_places_needles_by_fraction():
+    units = ["a.", "b.", "c.", "d."]
+    assert insert_at_depths(units, [(0.0, "X.")]) == "X. a. b. c. d."
+    assert insert_at_depths(units, [(1.0, "X.")]) == "a. b. c. d. X."
+    assert insert_at_depths(units, [(0.5, "X."), (0.25, "Y.")]) == "a. Y. b. X. c. d."
+
+
+def _item(task: str, answers: tuple[str, ...]) -> SyntheticItem:
+    return SyntheticItem(task, 1024, 0, 0, (1, 2, 3), answers, 8)
+
+
+def test_scorers_on_hand_made_outputs():
+    single = [_item("niah_single", ("1234567",)), _item("niah_single", ("7654321",))]
+    assert score_outputs("niah_single", single, [" 1234567.", " 765432"]) == {"score": 50.0}
+    multi = [_item("niah_multivalue", ("111", "222", "333", "444")), _item("niah_multivalue", ("5", "6", "7", "8"))]
+    outputs = ["111, 222, 333 and 444", "5 and 6"]
+    assert score_outputs("niah_multivalue", multi, outputs) == {"score": 50.0, "partial": 75.0}
+    words = [_item("cwe", ("Apple", "pear"))]
+    assert score_outputs("cwe", words, ["1. apple 2. PEAR"]) == {"score": 100.0, "partial": 100.0}  # case-insensitive
+    keys = [_item("passkey", ("12345",)), _item("passkey", ("12345",)), _item("passkey", ("12345",))]
+    # first integer only: "99 ... 12345" is wrong although the key appears later
+    assert score_outputs("passkey", keys, [" 12345.", "99 then 12345", "123456"]) == {"score": 100 / 3}
+
+
+def test_left_padded_batches_generate_like_single_prompts(smollm2):
+    model, tokenizer = smollm2
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in (
+        "The capital of France is",
+        "Counting: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, thirteen,",
+        "The pass key is 48213. Remember it. The grass is green. The sky is blue. What is the pass key? It is")]
+    assert len({len(p) for p in prompts}) == 3  # different lengths, so the batch is padded on the left
+    single = [greedy_generate(model, tokenizer, [prompt], max_new_tokens=8)[0] for prompt in prompts]
+    batched = greedy_generate(model, tokenizer, prompts, max_new_tokens=8, batch_size=3)
+    assert batched == single
+    assert "48213" in single[2]  # the model reads the key back from a short context
