@@ -95,11 +95,12 @@ class LayerScore:
 
 def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_steps: int = 30,
                  batch_size: int = 4, probe_windows: int = 8, lr: float = 1e-3, device=None,
-                 show_progress: bool = True) -> list[LayerScore]:
+                 show_progress: bool = True, aligned: dict | None = None) -> list[LayerScore]:
     """Score every layer of ``dense`` (see the module docstring) -> scores sorted from cheapest to costliest.
 
     windows: ``[N, L]`` calibration tokens; the last ``probe_windows`` are held out for the KL probe and the rest
-    feed the alignment (``align_steps`` steps of ``batch_size`` windows).
+    feed the alignment (``align_steps`` steps of ``batch_size`` windows). If ``aligned`` is a dict, it receives
+    layer index -> the aligned replacement layer.
     """
     from retrofit.convert.distill import AttentionCapture, BatchSampler, LayerAligner, kl_loss, warmup_cosine
     from retrofit.convert.hybrid import HybridSection, to_hybrid
@@ -168,6 +169,8 @@ def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_st
             finally:
                 block.self_attn = original
             scores.append(LayerScore(i, float(kl_loss(logits, reference)), errors[i]))
+    if aligned is not None:
+        aligned.update(replacements)
     return sorted(scores, key=lambda s: (s.kl, s.layer))
 
 

@@ -11,6 +11,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import retrofit
@@ -37,6 +38,12 @@ def small_hybrid(smollm2, calib_data_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hybrid_model(small_hybrid):
+    """The saved small hybrid, loaded with load_hybrid (float32, eval, CPU); tests must not modify it."""
+    return load_hybrid(small_hybrid)
+
+
+@pytest.fixture(scope="module")
 def prompt_ids(smollm2):
     _, tokenizer = smollm2
     return tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -56,10 +63,10 @@ def test_checkpoint_keeps_base_architecture_and_retrofit_section(small_hybrid, s
     assert not work_dir_for(small_hybrid).exists()  # training checkpoint removed after a successful run
 
 
-def test_distillation_changed_the_converted_layers(small_hybrid, smollm2):
+def test_distillation_changed_the_converted_layers(hybrid_model, smollm2):
     """The saved layer is not its initialisation: both stages trained it (and LoRA was merged into the rest)."""
     dense, _ = smollm2
-    trained = load_hybrid(small_hybrid)
+    trained = hybrid_model
     fresh = to_hybrid(dense, HybridSection(layers=[13, 22], layer_type="gdn", base_model_type="llama"))
     a, b = trained.model.layers[13].self_attn, fresh.model.layers[13].self_attn
     assert isinstance(a, GatedDeltaNetAttention)
@@ -69,8 +76,8 @@ def test_distillation_changed_the_converted_layers(small_hybrid, smollm2):
     assert torch.equal(trained.model.layers[12].mlp.up_proj.weight, dense.model.layers[12].mlp.up_proj.weight)
 
 
-def test_save_load_gives_identical_logits(small_hybrid, prompt_ids, tmp_path):
-    model = load_hybrid(small_hybrid)
+def test_save_load_gives_identical_logits(small_hybrid, hybrid_model, prompt_ids, tmp_path):
+    model = hybrid_model
     with torch.no_grad():
         expected = model(prompt_ids).logits
     loaded, tokenizer = retrofit.load(str(small_hybrid), dtype="float32")
@@ -86,10 +93,10 @@ def test_save_load_gives_identical_logits(small_hybrid, prompt_ids, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_prefill_then_decode_equals_full_forward(small_hybrid, prompt_ids, backend):
+def test_prefill_then_decode_equals_full_forward(hybrid_model, prompt_ids, backend):
     """Prompt prefill (chunk path) + token-by-token decode (recurrent kernel, conv update, KV for dense layers)
     reproduces the full forward's logits; ``triton`` runs the project's kernels (interpreter on CPU)."""
-    model = load_hybrid(small_hybrid)
+    model = hybrid_model
     T, prefill = prompt_ids.shape[1], 20
     with torch.no_grad(), use_backend(backend):
         full = model(prompt_ids).logits
@@ -104,9 +111,9 @@ def test_prefill_then_decode_equals_full_forward(small_hybrid, prompt_ids, backe
     assert cache.layers[0].keys.shape[2] == T  # dense layers keep their KV cache
 
 
-def test_generate_matches_greedy_full_forward(small_hybrid, prompt_ids):
+def test_generate_matches_greedy_full_forward(hybrid_model, prompt_ids):
     """``model.generate`` (transformers' own loop and cache) gives the tokens a greedy argmax over full forwards gives."""
-    model = load_hybrid(small_hybrid)
+    model = hybrid_model
     with torch.no_grad():
         generated = model.generate(prompt_ids, max_new_tokens=6, do_sample=False)
         ids = prompt_ids
@@ -118,8 +125,8 @@ def test_generate_matches_greedy_full_forward(small_hybrid, prompt_ids):
 
 def test_resume_reaches_the_same_weights(smollm2, calib_data_dir, tmp_path):
     """A run interrupted in stage 2 and resumed from its last checkpoint ends with the weights of an uninterrupted run."""
-    settings = dict(recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], layers="22", tokens=768, seq_len=32,
-                    batch_size=2, checkpoint_every=2, show_progress=False)
+    settings = dict(recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir / "walden.txt")], layers="22",
+                    tokens=768, seq_len=32, batch_size=2, checkpoint_every=2, show_progress=False)
     convert(smollm2, out=tmp_path / "straight", **settings)
 
     class Interrupt(Exception):
@@ -134,8 +141,8 @@ def test_resume_reaches_the_same_weights(smollm2, calib_data_dir, tmp_path):
     assert not (tmp_path / "resumed").exists()  # no half-written checkpoint
     assert (work_dir_for(tmp_path / "resumed") / STATE_FILE).is_file()
     convert(smollm2, out=tmp_path / "resumed", resume=True, **settings)
-    a = load_hybrid(tmp_path / "straight").state_dict()
-    b = load_hybrid(tmp_path / "resumed").state_dict()
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6  # the task's bar: same final weights within 1e-6

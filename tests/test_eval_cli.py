@@ -94,3 +94,16 @@ def test_table_shows_deltas_to_dense_and_speed_ratio():
     assert lines[2] == "| piqa acc (%) | 62.500 | 60.000 (-2.500) |"
     assert lines[3] == "| wikitext2 ppl | 23.940 | 24.500 (+0.560) |"
     assert lines[4] == "| tokens/s | 100.0 | 250.0 (2.50x) |"
+
+
+def test_sparse_variant_plugs_in_and_leaves_prefill_scores_alone(eval_data_dir, tmp_path):
+    """Sparse decoding changes decode steps only; multiple choice is scored by prefill, so the variant must give
+    exactly dense's numbers (and a column of its own)."""
+    out = tmp_path / "eval.json"
+    result = run("eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", str(eval_data_dir), "--limit", "2",
+                 "--device", "cpu", "--sparse", "streaming", "--budget", "64", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert list(payload["results"]) == ["dense", "streaming@64"]
+    assert payload["results"]["streaming@64"] == payload["results"]["dense"]
+    assert "| task / metric | dense | streaming@64 |" in result.stdout

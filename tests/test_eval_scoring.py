@@ -80,7 +80,7 @@ def test_batched_scores_equal_batch_size_one(smollm2, eval_data_dir):
 
 def test_lambada_matches_independent_greedy_check(smollm2, eval_data_dir):
     model, tokenizer = smollm2
-    items = load_lambada(eval_data_dir / "lambada_openai.jsonl", limit=6)
+    items = load_lambada(eval_data_dir / "lambada_openai.jsonl", limit=4)
     metrics = evaluate_lambada(model, tokenizer, items, batch_size=4)
     reference = [reference_logprob(model, tokenizer, item.context, " " + item.continuation) for item in items]
     assert metrics["acc"] == sum(greedy for _, greedy in reference) / len(items)

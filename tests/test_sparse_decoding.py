@@ -50,10 +50,10 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def seer_gates(smollm2, calib_data_dir, tmp_path_factory) -> Path:
-    """A small real gate file (2 training steps on Dracula, blocks of 16) for the seer method."""
+    """A small real gate file (1 training step on Dracula, blocks of 16) for the seer method."""
     model, tokenizer = smollm2
     path = tmp_path_factory.mktemp("gates") / "smol.gates"
-    train_gates(model, tokenizer, [calib_data_dir / "dracula.txt"], 256, path, seq_len=128, block_size=16,
+    train_gates(model, tokenizer, [calib_data_dir / "dracula.txt"], 128, path, seq_len=128, block_size=16,
                 hidden=32, queries=8, lr=3e-3, progress=False)
     return path
 
@@ -125,16 +125,16 @@ def test_streaming_evicts_and_frees_memory(smollm2):
     model, tokenizer = smollm2
     inputs = _inputs(tokenizer, [LONG_PROMPT, SHORTER_PROMPT])
     with sparse_decoding(model, method="streaming", budget=24, n_sink=4) as session:
-        _generate(model, tokenizer, inputs, max_new_tokens=3)
+        _generate(model, tokenizer, inputs, max_new_tokens=2)
         held = session.memory_bytes()
         layer = session.cache.layers[0]
         assert layer.keys.shape[2] == 24 and layer.kv_end.tolist() == [24, 24]
     with sparse_decoding(model, method="quest", budget=32) as session:
-        _generate(model, tokenizer, inputs, max_new_tokens=3)
+        _generate(model, tokenizer, inputs, max_new_tokens=2)
         full = session.memory_bytes()
     # 30 layers x (K and V) x batch 2 x 3 kv heads x 24 slots x 64 dims x 4 bytes
     assert held["kv"] == 30 * 2 * 2 * 3 * 24 * 64 * 4
-    assert full["kv"] >= 30 * 2 * 2 * 3 * int(inputs.input_ids.shape[1]) * 64 * 4 > 4 * held["kv"]
+    assert full["kv"] >= 30 * 2 * 2 * 3 * (int(inputs.input_ids.shape[1]) + 1) * 64 * 4 > 2 * held["kv"]
     assert full["metadata"] > 0 and full["total"] == full["kv"] + full["metadata"]
 
 
@@ -168,8 +168,9 @@ def test_context_manager_leaves_no_trace(name, smollm2, seer_gates, dense_logits
 def test_triton_kernels_in_the_loop(smollm2, dense_tokens):
     """The Triton kernels themselves (interpreter on CPU) drive generation: quest scores + sparse attention."""
     model, tokenizer = smollm2
-    with sparse_decoding(model, method="quest", budget=512, kernel="triton", dense_layers=()):
-        tokens = _generate(model, tokenizer, _inputs(tokenizer), max_new_tokens=3)
+    with sparse_decoding(model, method="quest", budget=512, kernel="triton", dense_layers=()) as session:
+        tokens = _generate(model, tokenizer, _inputs(tokenizer), max_new_tokens=2)
+        assert session.cache.layers[0].sparse_steps == 1
     assert torch.equal(tokens, dense_tokens[:, : tokens.shape[1]])
 
 
@@ -190,3 +191,44 @@ def test_explicit_cache_and_forward_calls(smollm2):
     assert torch.equal(out.logits, dense.logits)  # prefill runs the original (SDPA) path: bit-identical
     # decode: same keys, different summation order (reference gather + softmax vs SDPA); fp32 rounding only
     assert (sparse_next - dense_next).abs().max() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda(smollm2):
+    import copy
+
+    model, tokenizer = smollm2
+    return copy.deepcopy(model).to("cuda"), tokenizer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", METHODS.names())
+def test_budget_covering_context_generates_dense_tokens_cuda_triton(name, smollm2_cuda, seer_gates):
+    """On CUDA every step runs the Triton kernels (scores + sparse attention); 64 new tokens, fp32, batch 2."""
+    model, tokenizer = smollm2_cuda
+    inputs = _inputs(tokenizer).to("cuda")
+    dense = _generate(model, tokenizer, inputs, max_new_tokens=64)
+    with sparse_decoding(model, method=name, budget=512, **_params(name, EXACT, seer_gates)) as session:
+        tokens = _generate(model, tokenizer, inputs, max_new_tokens=64)
+        steps = {layer.sparse_steps for layer in session.cache.layers if isinstance(layer, SparseLayer)}
+    assert steps == {63}
+    assert torch.equal(tokens, dense), (tokens != dense).sum()
+
+
+def test_hybrid_model_sparsifies_only_softmax_layers(smollm2):
+    """A GDN hybrid (layers 3 and 7 converted): the 28 softmax layers go sparse, the linear layers keep their state."""
+    from retrofit.convert.hybrid import HybridSection, to_hybrid
+    from retrofit.sparse import softmax_attention_layers
+
+    model, tokenizer = smollm2
+    hybrid = to_hybrid(model, HybridSection(layers=[3, 7], layer_type="gdn", base_model_type="llama"))
+    assert set(softmax_attention_layers(hybrid)) == set(range(30)) - {3, 7}
+    inputs = _inputs(tokenizer)
+    dense = _generate(hybrid, tokenizer, inputs, max_new_tokens=4)
+    with sparse_decoding(hybrid, method="quest", budget=512, dense_layers=()) as session:
+        tokens = _generate(hybrid, tokenizer, inputs, max_new_tokens=4)
+        kinds = [type(layer).__name__ for layer in session.cache.layers]
+        steps = {layer.sparse_steps for layer in session.cache.layers if isinstance(layer, SparseLayer)}
+    assert kinds[3] == kinds[7] == "LinearAttentionLayer" and kinds.count("SparseLayer") == 28
+    assert steps == {3}
+    assert torch.equal(tokens, dense)

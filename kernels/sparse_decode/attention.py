@@ -7,6 +7,7 @@ Online softmax in fp32, exp2 domain. Semantics: ``reference.sparse_decode_attent
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -110,10 +111,16 @@ def _merge_splits_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _default_splits(rows: int, max_tokens: int, block_n: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    programs_wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs_wanted = 2 * _multiprocessors(index)
     splits = max(1, math.ceil(programs_wanted / max(rows, 1)))
     return max(1, min(splits, math.ceil(max_tokens / block_n), 64))
 
@@ -144,6 +151,8 @@ def sparse_decode_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"q, k and v must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
     group = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     indices = indices.to(torch.int32)

@@ -52,9 +52,9 @@ def _group_scores_kernel(
             s += tl.dot(q_neg, tl.trans(lower))
     else:
         if IEEE:
-            s = tl.dot(q, tl.trans(upper), input_precision="ieee")
+            s = tl.dot(q.to(upper.dtype), tl.trans(upper), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(upper))
+            s = tl.dot(q.to(upper.dtype), tl.trans(upper))
     s = tl.where(g_ok[:, None], s, float("-inf"))
     best = tl.max(s, 0)
     if BOUNDS:
@@ -68,6 +68,8 @@ def _launch(q, upper, lower, kv_start, num_blocks, block_size, bounds):
     Hkv = upper.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if upper.dtype != lower.dtype or upper.shape[-1] != D:
+        raise ValueError("the block metadata must share one dtype and the head dim of q")
     if q.stride(-1) != 1 or upper.stride(-1) != 1 or lower.stride(-1) != 1:
         raise ValueError("q and the block metadata need a contiguous last dimension")
     group = Hq // Hkv
@@ -81,7 +83,7 @@ def _launch(q, upper, lower, kv_start, num_blocks, block_size, bounds):
         lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
         Hkv, D, num_blocks, block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_P=block_p,
-        BLOCK_D=triton.next_power_of_2(D), BOUNDS=bounds, IEEE=q.dtype == torch.float32,
+        BLOCK_D=triton.next_power_of_2(D), BOUNDS=bounds, IEEE=upper.dtype == torch.float32,
     )
     return out
 

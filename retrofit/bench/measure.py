@@ -72,7 +72,7 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().weight.shape[0]
     input_ids = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
     attention_mask = torch.ones_like(input_ids)
     clock = _StepClock(device)

@@ -34,23 +34,30 @@ Examples:
 @click.option("--checkpoint-every", type=int, default=None, help="Optimizer steps between training checkpoints.")
 @click.option("--seed", type=int, default=None, help="Seed of data order and LoRA init.")
 @click.option("--resume", is_flag=True, help="Continue from the last training checkpoint of this --out.")
+@click.option("--max-minutes", type=float, default=None,
+              help="Checkpoint and stop after this many minutes (exit code 3); rerun with --resume to continue.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out directory.")
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch_size, grad_accum, stage1_fraction,
-                    lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, resume, overwrite,
-                    device, quiet):
+                    lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, resume, max_minutes,
+                    overwrite, device, quiet):
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
 
+    from retrofit.convert.distill import TrainingPaused
     from retrofit.convert.pipeline import convert
 
     start = time.time()
-    path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
-                   resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
-                   seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, stage1_fraction=stage1_fraction,
-                   lr_stage1=lr_stage1, lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank,
-                   ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed)
+    try:
+        path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
+                       resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
+                       max_minutes=max_minutes, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+                       stage1_fraction=stage1_fraction, lr_stage1=lr_stage1, lr_stage2=lr_stage2, lr_lora=lr_lora,
+                       lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed)
+    except TrainingPaused as paused:
+        click.echo(f"retrofit: {paused}", err=True)
+        raise SystemExit(3)
     from retrofit.convert.distill import distributed
 
     if distributed()[0] == 0:

@@ -35,9 +35,18 @@ def calibration_files(paths: list[str] | tuple[str, ...]) -> list[Path]:
     for path in files:
         if path.name in FORBIDDEN_NAMES:
             raise RetrofitError(f"{path} is an evaluation set: never calibrate on it (choose other --data)")
-        if path.stat().st_size == 0 or not path.read_text(encoding="utf-8", errors="replace").strip():
+        if not _has_text(path):
             raise RetrofitError(f"calibration file {path} is empty")
     return files
+
+
+def _has_text(path: Path, block: int = 1 << 16) -> bool:
+    """Whether the file holds any non-whitespace character (reads only as far as the first one)."""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(block):
+            if chunk.strip():
+                return True
+    return False
 
 
 def token_windows(tokenizer, paths, num_windows: int, seq_len: int, seed: int = 0,

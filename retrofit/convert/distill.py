@@ -155,6 +155,14 @@ def warmup_cosine(total_steps: int, warmup: float, floor: float = 0.1) -> Callab
     return factor
 
 
+class TrainingPaused(Exception):
+    """Raised when a run reaches its time budget: a checkpoint was written; rerun with ``--resume`` to continue."""
+
+    def __init__(self, stage: int, step: int):
+        super().__init__(f"time budget reached at stage {stage}, step {step}: checkpoint saved; rerun with --resume")
+        self.stage, self.step = stage, step
+
+
 class _StopForward(Exception):
     """Raised by the capture hook after the last selected layer: the rest of the teacher pass is not needed."""
 
@@ -286,9 +294,10 @@ class Distiller:
     def __init__(self, dense: nn.Module, hybrid: nn.Module, layers: list[int], config: DistillConfig,
                  windows: torch.Tensor, work_dir: Path, fingerprint: dict, device: torch.device,
                  resume: bool = False, show_progress: bool = True,
-                 on_step: Callable[[int, int], None] | None = None):
+                 on_step: Callable[[int, int], None] | None = None, deadline: float | None = None):
         self.dense, self.hybrid, self.layers, self.config = dense, hybrid, sorted(layers), config
         self.work_dir, self.device, self.on_step = Path(work_dir), device, on_step
+        self.deadline = deadline  # time.time() after which the run checkpoints and raises TrainingPaused
         self.rank, self.world_size = distributed()
         self.show_progress = show_progress and self.rank == 0
         self.plan = Plan.from_config(config, self.world_size)
@@ -325,8 +334,19 @@ class Distiller:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, self.config.warmup))
         return opt, sched
 
-    def _checkpoint(self, stage: int, next_step: int, module: nn.Module, opt, sched) -> None:
-        if self.config.checkpoint_every == 0:
+    def _past_deadline(self) -> bool:
+        """Whether the time budget is spent (decided on rank 0 and shared, so all ranks stop at the same step)."""
+        import time
+
+        import torch.distributed as dist
+
+        late = torch.tensor([float(time.time() > self.deadline)], device=self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(late, src=0)
+        return bool(late.item())
+
+    def _checkpoint(self, stage: int, next_step: int, module: nn.Module, opt, sched, force: bool = False) -> None:
+        if self.config.checkpoint_every == 0 and not force:
             return
         if self.rank == 0:
             save_train_state(self.work_dir, {
@@ -373,6 +393,11 @@ class Distiller:
                 self._checkpoint(stage, step + 1, module, opt, sched)
             if self.on_step is not None:
                 self.on_step(stage, step)
+            if self.deadline is not None and step + 1 < steps and self._past_deadline():
+                self._checkpoint(stage, step + 1, module, opt, sched, force=True)
+                if bar is not None:
+                    bar.close()
+                raise TrainingPaused(stage, step + 1)
         if bar is not None:
             bar.close()
 
@@ -380,6 +405,11 @@ class Distiller:
     def run(self) -> nn.Module:
         """Both stages -> the hybrid (LoRA merged, eval mode)."""
         self.dense.eval().requires_grad_(False)
+        if self.saved is None:
+            from retrofit.convert.init import match_output_scale
+
+            with self._autocast():
+                match_output_scale(self.converted_layers(), self.dense, self._sampler(1).batch(0).to(self.device))
         skip_stage1 = self.saved is not None and self.saved["stage"] == 2
         if not skip_stage1:
             self.stage1()

@@ -38,3 +38,43 @@ def _copy_linear(target: nn.Linear, source: nn.Linear, repeat_heads: int = 1, he
             target.bias.zero_()
         else:
             target.bias.copy_(bias)
+
+
+@torch.no_grad()
+def match_output_scale(layers: dict[int, nn.Module], dense: nn.Module, input_ids: torch.Tensor) -> dict[int, float]:
+    """Set each converted layer's output-norm weight ``[H, D]`` to the per-channel RMS of its dense attention's
+    output before W_o (divided by the initial output gate), measured on ``input_ids`` ``[B, T]``.
+
+    The kernel output is RMS-normalised per head, so with unit norm weights the layer starts several times too loud
+    or too quiet; this makes its initial output the right size, channel by channel. Returns layer -> the RMS ratio
+    applied (mean over channels), for logging.
+    """
+    records: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in layers:
+        o_proj = dense.model.layers[i].self_attn.o_proj
+
+        def hook(module, args, i=i):
+            records[i] = args[0].detach()
+
+        handles.append(o_proj.register_forward_pre_hook(hook))
+    try:
+        dense(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    applied = {}
+    for i, layer in layers.items():
+        heads, dim = layer.o_norm.weight.shape
+        pre = records[i].float().reshape(-1, heads, dim)
+        rms = pre.pow(2).mean(0).sqrt()  # [H, D]
+        gate = torch.sigmoid(_output_gate_bias(layer)).float()
+        layer.o_norm.weight.copy_((rms / gate).to(layer.o_norm.weight.dtype))
+        applied[i] = float(rms.mean())
+    return applied
+
+
+def _output_gate_bias(layer: nn.Module) -> torch.Tensor:
+    """Initial output gate logit(s) of a GDN (g_proj) or KDA (g_b_proj) layer, broadcastable to ``[H, D]``."""
+    proj = getattr(layer, "g_proj", None) or getattr(layer, "g_b_proj")
+    return proj.bias.detach().view(layer.o_norm.weight.shape)

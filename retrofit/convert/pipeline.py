@@ -29,14 +29,14 @@ def load_recipe(path: str | os.PathLike | None) -> dict:
 
     candidate = Path(path)
     if not candidate.is_file():
-        shipped = Path(__file__).resolve().parents[2] / "recipes" / f"{path}.yaml"
-        try:
-            import retrofit.recipes as packaged
+        shipped = Path(__file__).resolve().parents[2] / "recipes" / f"{path}.yaml"  # source checkout
+        if not shipped.is_file():
+            try:  # installed package
+                from importlib.resources import files
 
-            shipped_pkg = Path(packaged.__file__).parent / f"{path}.yaml"
-            shipped = shipped_pkg if shipped_pkg.is_file() else shipped
-        except ImportError:
-            pass
+                shipped = Path(str(files("retrofit.recipes").joinpath(f"{path}.yaml")))
+            except (ImportError, TypeError, ValueError):
+                pass
         if not shipped.is_file():
             raise RetrofitError(f"recipe {path} not found (a YAML file, or a shipped name like smollm2-135m/cpu-small)")
         candidate = shipped
@@ -74,13 +74,16 @@ def _init_distributed(device: str | None) -> torch.device:
 def convert(model, to: str | None = None, layers: str | None = None, data: list[str] | None = None,
             out: str | os.PathLike | None = None, tokens: int | None = None, recipe: str | None = None,
             resume: bool = False, overwrite: bool = False, device: str | None = None, show_progress: bool = True,
-            on_step: Callable[[int, int], None] | None = None, **overrides) -> Path:
+            on_step: Callable[[int, int], None] | None = None, max_minutes: float | None = None,
+            **overrides) -> Path:
     """Convert ``model`` to a hybrid and save it to ``out`` (returns ``out``).
 
     ``model``: anything :func:`retrofit.load` takes (directory, .gguf, hub id, alias), or an already loaded
     ``(model, tokenizer)`` pair (float32; left unchanged: the hybrid gets its own copy of the weights).
 
     Arguments left None come from the ``recipe`` (YAML); ``overrides`` are DistillConfig fields (CLI options).
+    ``max_minutes``: after this many minutes of training the run writes a checkpoint and raises
+    :class:`retrofit.convert.distill.TrainingPaused` (rerun with ``resume=True`` to continue).
     Raises :class:`RetrofitError` on bad input: unknown ``to``, bad ``layers``, empty data, ``tokens <= 0``,
     an existing ``out`` without ``overwrite``, an unsupported attention layout.
     """
@@ -114,6 +117,9 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     except (TypeError, ValueError) as err:
         raise RetrofitError(f"bad setting: {err}") from None
 
+    import time
+
+    deadline = None if max_minutes is None else time.time() + 60 * float(max_minutes)
     torch_device = _init_distributed(settings.get("device"))
     if preloaded is not None:
         dense, tokenizer = preloaded
@@ -126,14 +132,14 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     grad_flags = {name: p.requires_grad for name, p in dense.named_parameters()}
     try:
         return _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume,
-                               overwrite, show_progress, on_step)
+                               overwrite, show_progress, on_step, deadline)
     finally:
         for name, p in dense.named_parameters():
             p.requires_grad_(grad_flags[name])
 
 
 def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume, overwrite,
-                    show_progress, on_step) -> Path:
+                    show_progress, on_step, deadline) -> Path:
     from retrofit.convert.checkpoint import work_dir_for
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
@@ -161,6 +167,12 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
             print(ranking_table(scores, chosen))
     else:
         chosen = list(parsed.indices)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # every rank converts rank 0's choice
+        shared = [chosen]
+        dist.broadcast_object_list(shared, src=0)
+        chosen = shared[0]
 
     section = HybridSection(layers=chosen, layer_type=kind, base_model_type=dense.config.model_type,
                             layer_spec=spec.to_dict())
@@ -170,7 +182,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
                    "layer_spec": spec.to_dict(), "world_size": world}
     work_dir = work_dir_for(out)
     distiller = Distiller(dense, hybrid, chosen, config, windows, work_dir, fingerprint, torch_device,
-                          resume=resume, show_progress=show_progress, on_step=on_step)
+                          resume=resume, show_progress=show_progress, on_step=on_step, deadline=deadline)
     model = distiller.run()
     section.distillation = {"tokens": config.tokens, "stage1_steps": distiller.plan.stage1_steps,
                             "stage2_steps": distiller.plan.stage2_steps, "tokens_per_step": distiller.plan.tokens_per_step,
@@ -181,8 +193,6 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     if rank == 0:
         save_hybrid(model, tokenizer, out, overwrite=overwrite)
         shutil.rmtree(work_dir, ignore_errors=True)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out

@@ -101,7 +101,8 @@ def score_requests(model, requests: list[Request], batch_size: int = 8, desc: st
             input_ids[slot, :len(inputs)] = torch.tensor(inputs)
             attention_mask[slot, :len(inputs)] = 1
         began = time.perf_counter()
-        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                       use_cache=False).logits
         for slot, (index, inputs, n_cont, targets) in enumerate(batch):
             positions = slice(len(inputs) - n_cont, len(inputs))
             logprobs = F.log_softmax(logits[slot, positions].float(), dim=-1)

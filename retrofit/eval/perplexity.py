@@ -51,7 +51,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "p
     for start in tqdm(range(0, len(windows), batch_size), desc=desc, unit="batch", leave=False):
         batch = windows[start:start + batch_size].to(device)
         began = time.perf_counter()
-        logits = model(input_ids=batch).logits
+        logits = model(input_ids=batch, use_cache=False).logits
         for row in range(len(batch)):
             total_nll += float(F.cross_entropy(logits[row, :-1].float(), batch[row, 1:], reduction="sum"))
         if device.type == "cuda":

@@ -32,7 +32,8 @@ _ADJECTIVES = ("ancient brave calm clever curious daring eager fancy gentle glos
 _NOUNS = ("apple badger banjo beacon canyon castle cherry comet cookie cricket dragon falcon forest garden glacier "
           "harbor helmet island jacket kettle ladder lantern lemon meadow mirror monkey needle ocean orchard otter "
           "palace pepper pillow pirate planet puzzle rabbit river rocket saddle salmon shadow spider statue sunset "
-          "teapot thunder tiger tulip valley violin walrus willow window wizard zebra anchor barrel candle dolphin").split()
+          "teapot thunder tiger tulip valley violin walrus willow window wizard zebra anchor barrel candle "
+          "dolphin").split()
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
@@ -133,11 +134,16 @@ def _needle(key: str, value: str) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
+def _single_answer_prompt(text: str, key: str, value: str) -> PromptParts:
+    return PromptParts(f"{_NIAH_INTRO}{text}\nWhat is the special magic number for {key} mentioned in the "
+                       "provided text?", f"The special magic number for {key} mentioned in the provided text is",
+                       (value,))
+
+
 def _niah_single(rng, size, haystack, depth):
     key, value = _key(rng), _number(rng)
     text = insert_at_depths(haystack.units(rng, size), [(depth, _needle(key, value))])
-    return PromptParts(f"{_NIAH_INTRO}{text}\nWhat is the special magic number for {key} mentioned in the provided text?",
-                       f"The special magic number for {key} mentioned in the provided text is", (value,))
+    return _single_answer_prompt(text, key, value)
 
 
 def _niah_multikey(rng, size, haystack, depth):
@@ -148,8 +154,7 @@ def _niah_multikey(rng, size, haystack, depth):
     value = _number(rng)
     needles = [(depth, _needle(key, value))] + [(rng.random(), _needle(other, _number(rng))) for other in distractors]
     text = insert_at_depths(haystack.units(rng, size), needles)
-    return PromptParts(f"{_NIAH_INTRO}{text}\nWhat is the special magic number for {key} mentioned in the provided text?",
-                       f"The special magic number for {key} mentioned in the provided text is", (value,))
+    return _single_answer_prompt(text, key, value)
 
 
 def _niah_multivalue(rng, size, haystack, depth):

@@ -108,7 +108,10 @@ class SparseLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.seen
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers < 5.2x passes cache_position [T] here, newer versions the query length
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:

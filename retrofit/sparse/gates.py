@@ -203,8 +203,10 @@ def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    lm, tokenizer = retrofit.load(model, dtype=dtype)
-    lm.to(device)
+    checkpoint = out.with_name(out.name + ".ckpt")
+    if resume and not checkpoint.is_file():
+        raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
+    lm, tokenizer = retrofit.load(model, dtype=dtype, device=device)
     _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
                             hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume)
     if losses:

@@ -23,6 +23,10 @@ def kmeans_cosine(x: torch.Tensor, valid: torch.Tensor, k: int, iterations: int)
     (fp32); sizes [M, k] long). Deterministic: initial centres are valid points evenly spaced in position order.
     """
     M, n, D = x.shape
+    rows = max(1, (1 << 28) // max(n * k, 1))  # bound the [rows, n, k] similarity tensor to 1 GiB
+    if M > rows:
+        parts = [kmeans_cosine(x[i : i + rows], valid[i : i + rows], k, iterations) for i in range(0, M, rows)]
+        return tuple(torch.cat(items) for items in zip(*parts))
     xf = x.float()
     unit = torch.nn.functional.normalize(xf, dim=-1) * valid[..., None]
     order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)

@@ -50,3 +50,12 @@ def sink_mask(layer, n_sink: int) -> torch.Tensor:
     pos = positions(layer)
     start = layer.kv_start.long()[:, None]
     return (pos >= start) & (pos < start + n_sink)
+
+
+def full_counts(layer, top: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv] int32 filled with ``top.shape[2]`` (cached per layer: no allocation on the steady decode path)."""
+    cached = layer.meta.get("_full_counts")
+    if cached is None or cached[0] != top.shape[2] or cached[1].shape != top.shape[:2]:
+        cached = (top.shape[2], torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device))
+        layer.meta["_full_counts"] = cached
+    return cached[1]

@@ -12,7 +12,7 @@ import torch
 
 from retrofit.kernels.sparse_decode import quest_page_scores, quest_page_scores_ref
 from retrofit.sparse.base import Selection, SparseMethod, register, require
-from retrofit.sparse.methods.common import grown
+from retrofit.sparse.methods.common import full_counts, grown
 
 
 @register("quest")
@@ -63,5 +63,4 @@ class Quest(SparseMethod):
         score = quest_page_scores if layer.use_triton(query) else quest_page_scores_ref
         scores = score(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
         top = torch.topk(scores, min(self.budget // self.page_size, num_pages), dim=-1, sorted=False).indices
-        counts = torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device)
-        return Selection(top.to(torch.int32), counts, self.page_size)
+        return Selection(top.to(torch.int32), full_counts(layer, top), self.page_size)

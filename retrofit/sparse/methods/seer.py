@@ -19,7 +19,7 @@ from torch import nn
 from retrofit.errors import RetrofitError
 from retrofit.kernels.sparse_decode import cluster_scores, cluster_scores_ref
 from retrofit.sparse.base import Selection, SparseMethod, register, require
-from retrofit.sparse.methods.common import grown
+from retrofit.sparse.methods.common import full_counts, grown
 
 GATE_FORMAT = "retrofit-seer-gates"
 
@@ -170,5 +170,4 @@ class SeerAttention(SparseMethod):
         scores = scores.masked_fill((block_end[None, :] <= layer.kv_start.long()[:, None])[:, None, :], float("-inf"))
         scores[:, :, num - 1] = float("inf")
         top = torch.topk(scores, min(self.budget // self.block_size, num), dim=-1, sorted=False).indices
-        counts = torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device)
-        return Selection(top.to(torch.int32), counts, self.block_size)
+        return Selection(top.to(torch.int32), full_counts(layer, top), self.block_size)

@@ -1,0 +1,168 @@
+"""Decode-step attention time per layer: Quest (page scores + top-k + sparse kernel, all on GPU) vs dense SDPA.
+
+Random-weight Llama-3-8B attention shapes (32 query / 8 kv heads, head dim 128, bf16), budget 2048 tokens in pages
+of 16, batch 1 and 8, contexts 32K and 128K, timed side by side with ``triton.testing.do_bench`` (L2 flushed between
+runs). The Quest step is the exact code path ``sparse_decoding`` runs (``Quest.select`` then
+``sparse_decode_attention`` on a real ``SparseLayer``), timed eagerly and replayed from a CUDA graph (launch overhead
+removed). Dense is the faster of SDPA with the GQA group folded into the query length and SDPA(enable_gqa=True). Also: the
+bytes each method holds per layer and sequence, and the "bytes floor" (metadata + selected K/V at 4.46 TB/s).
+
+    python benchmarks/sparse_decode.py                       # the full table (H200: ~3 minutes)
+    python benchmarks/sparse_decode.py --json out.json --contexts 32768 --batches 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+H_Q, H_KV, HEAD_DIM = 32, 8, 128
+HBM_BYTES_PER_S = 4.46e12  # dense SDPA's measured bandwidth on the H200 (design/sparse_decode.md)
+
+
+def _layer(method, keys, values):
+    from retrofit.sparse.cache import SparseLayer
+
+    layer = SparseLayer(layer_idx=2, method=method)
+    layer.update(keys, values)
+    layer.padding_known = True
+    method.prepare(layer, 0, layer.length)
+    return layer
+
+
+def time_quest_vs_dense(batch: int, context: int, budget: int, page: int, graphs: bool) -> dict:
+    import triton.testing
+
+    from retrofit.kernels.sparse_decode import quest_page_scores, sparse_decode_attention, sparse_decode_attention_ref
+    from retrofit.sparse import build_method
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, H_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, H_KV, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, H_KV, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    quest = build_method("quest", budget, page_size=page, dense_layers=())
+    layer = _layer(quest, k, v)
+    keys, values = layer.keys, layer.values
+    group = H_Q // H_KV
+
+    def dense_folded():  # the GQA group as 4 query rows of one kv head: flash kernel, K/V read once
+        return torch.nn.functional.scaled_dot_product_attention(q.view(batch, H_KV, group, HEAD_DIM), k, v)
+
+    def dense_gqa():
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+
+    def step():
+        sel = quest.select(layer, q)
+        return sparse_decode_attention(q, keys, values, sel.indices, sel.counts, layer.kv_start, layer.kv_end,
+                                       block_size=sel.block_size)
+
+    sel = quest.select(layer, q)
+    out = step()
+    ref = sparse_decode_attention_ref(q, keys, values, sel.indices, sel.counts, layer.kv_start, layer.kv_end, page)
+    error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    meta = layer.meta
+    num_pages = meta["num_pages"]
+    scores = quest_page_scores(q, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, page)
+    result = {
+        "batch": batch, "context": context, "budget": budget, "page_size": page,
+        "dense_us": 1e3 * min(triton.testing.do_bench(dense_folded), triton.testing.do_bench(dense_gqa)),
+        "quest_us": 1e3 * triton.testing.do_bench(step),
+        "scores_us": 1e3 * triton.testing.do_bench(
+            lambda: quest_page_scores(q, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, page)),
+        "topk_us": 1e3 * triton.testing.do_bench(lambda: torch.topk(scores, budget // page, dim=-1, sorted=False)),
+        "attention_us": 1e3 * triton.testing.do_bench(lambda: sparse_decode_attention(
+            q, keys, values, sel.indices, sel.counts, layer.kv_start, layer.kv_end, block_size=page)),
+        "kernel_vs_reference_rel_err": error,
+    }
+    if graphs:
+        for _ in range(3):
+            step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        result["quest_graph_us"] = 1e3 * triton.testing.do_bench(graph.replay)
+    floor_bytes = batch * H_KV * HEAD_DIM * 2 * (2 * num_pages + 2 * budget)
+    result["floor_us"] = 1e6 * floor_bytes / HBM_BYTES_PER_S
+    best = min(result["quest_us"], result.get("quest_graph_us", float("inf")))
+    result["speedup"] = result["dense_us"] / best
+    return result
+
+
+def memory_per_method(context: int, budget: int, gate_path: Path, device: str) -> dict[str, dict[str, int]]:
+    """Bytes one layer holds per sequence (batch 1), per component, for each method at this context."""
+    from retrofit.sparse import METHODS, build_method
+
+    params = {
+        "streaming": {}, "quest": {"dense_layers": ()}, "clusterkv": {}, "retrieval": {"index": "Flat"},
+        "seer": {"gate_path": str(gate_path)},
+    }
+    gen = torch.Generator(device=device).manual_seed(1)
+    k = torch.randn(1, H_KV, context, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(1, H_KV, context, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    held = {"dense": {"kv": 2 * k.numel() * k.element_size()}}
+    for name in METHODS.names():
+        layer = _layer(build_method(name, budget, **params.get(name, {})), k, v)
+        held[name] = layer.memory_bytes()
+        del layer
+    return held
+
+
+def markdown(rows: list[dict], memory: dict) -> str:
+    lines = ["| batch | context | dense SDPA (us) | quest eager (us) | quest graph (us) | scores | top-k | attention "
+             "| bytes floor (us) | speedup | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_us']:.1f} | {r['quest_us']:.1f} | "
+            f"{r.get('quest_graph_us', float('nan')):.1f} | {r['scores_us']:.1f} | {r['topk_us']:.1f} | "
+            f"{r['attention_us']:.1f} | {r['floor_us']:.1f} | {r['speedup']:.2f}x | {r['kernel_vs_reference_rel_err']:.1e} |")
+    for context, held in memory.items():
+        lines += ["", f"Memory held per layer and sequence at {int(context) // 1024}K context (MiB):", "",
+                  "| method | " + " | ".join(["kv", "metadata / index", "total"]) + " |", "|---|---|---|---|"]
+        for name, parts in held.items():
+            extra = sum(size for key, size in parts.items() if key not in ("kv", "total"))
+            total = parts["kv"] + extra
+            lines.append(f"| {name} | {parts['kv'] / 2**20:.2f} | {extra / 2**20:.2f} | {total / 2**20:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--no-graph", action="store_true", help="Skip the CUDA-graph replay timing.")
+    parser.add_argument("--no-memory", action="store_true", help="Skip the per-method memory table.")
+    parser.add_argument("--json", type=Path, default=None, help="Also write the results as JSON here.")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/sparse_decode.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows = [time_quest_vs_dense(b, c, args.budget, args.page_size, not args.no_graph)
+            for b in (int(x) for x in args.batches.split(",")) for c in contexts]
+    memory: dict = {}
+    if not args.no_memory:
+        from retrofit.sparse.methods.seer import SeerGates
+
+        with tempfile.TemporaryDirectory() as tmp:
+            gate_path = Path(tmp) / "random.gates"
+            SeerGates(list(range(4)), H_Q, H_KV, HEAD_DIM, hidden=128, block_size=64).save(gate_path)
+            for context in contexts:
+                memory[str(context)] = memory_per_method(context, args.budget, gate_path, "cuda")
+    print(markdown(rows, memory))
+    if args.json:
+        payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "memory": memory}
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=2))
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""`retrofit gates`: SeerAttention decode-gate training on real calibration text with the real SmolLM2 frozen."""
+from __future__ import annotations
+
+import torch
+from click.testing import CliRunner
+
+from retrofit.sparse.gates import calibration_chunks, capture_gate_losses, train_gates
+from retrofit.sparse.methods.seer import SeerGates
+
+SETTINGS = dict(seq_len=128, block_size=16, hidden=32, queries=8, lr=3e-3, progress=False)
+
+
+def _kl_on(model, gates, chunk, queries=8):
+    with capture_gate_losses(model, gates, queries) as losses, torch.no_grad():
+        model(chunk[None], use_cache=False)
+    return torch.stack(losses).mean().item()
+
+
+def test_train_gates_learns_resumes_and_saves_atomically(smollm2, calib_data_dir, tmp_path):
+    model, tokenizer = smollm2
+    data = [calib_data_dir / "dracula.txt"]
+    out = tmp_path / "smol.gates"
+    weights_before = [p.detach().clone() for p in model.parameters()][:3]
+    _, first = train_gates(model, tokenizer, data, 128, out, save_every=1, **SETTINGS)  # 1 step
+    assert len(first) == 1
+    checkpoint = torch.load(tmp_path / "smol.gates.ckpt", weights_only=True)
+    assert checkpoint["step"] == 1
+    gates, resumed = train_gates(model, tokenizer, data, 256, out, resume=True, save_every=1, **SETTINGS)
+    assert len(resumed) == 1  # step 2 only: resume continued where the checkpoint stopped
+    assert torch.load(tmp_path / "smol.gates.ckpt", weights_only=True)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smol.gates", "smol.gates.ckpt"]  # no temp files left
+    # the base model stays frozen
+    assert all(torch.equal(a, b) for a, b in zip(weights_before, list(model.parameters())[:3]))
+    loaded = SeerGates.load(out)
+    assert loaded.config == gates.config and len(loaded.gates) == 30
+    # learning: on a held-out chunk (the 6th), the trained gates match the block-pooled attention better than
+    # freshly initialised ones. Observed: KL 1.07 nat at init, 0.54 after these 2 steps; requiring a 20% drop
+    # leaves a wide margin while an untrained or mis-wired gate (no drop) fails
+    held_out = calibration_chunks(tokenizer, data, 6 * 128, 128)[5]
+    torch.manual_seed(0)
+    fresh = SeerGates(**loaded.config)
+    assert _kl_on(model, loaded, held_out) < 0.8 * _kl_on(model, fresh, held_out)
+
+
+def test_gates_cli_errors_are_one_line(tmp_path):
+    from retrofit._entry import cli_module
+
+    result = CliRunner().invoke(cli_module().main, ["gates", "smollm2-135m", "--data", str(tmp_path), "--out",
+                                                    str(tmp_path / "g.gates"), "--resume"])
+    assert result.exit_code == 2
+    assert result.output.strip().endswith("g.gates.ckpt'") and "no checkpoint" in result.output
