@@ -107,3 +107,16 @@ def test_sparse_variant_plugs_in_and_leaves_prefill_scores_alone(eval_data_dir, 
     assert list(payload["results"]) == ["dense", "streaming@64"]
     assert payload["results"]["streaming@64"] == payload["results"]["dense"]
     assert "| task / metric | dense | streaming@64 |" in result.stdout
+
+
+def test_plot_is_written_atomically_as_png(tmp_path):
+    from retrofit.eval.plot import save_plot
+
+    report = EvalReport(
+        results={name: {"passkey@1024": {"score": s1}, "passkey@2048": {"score": s2}, "piqa": {"acc": 0.6}}
+                 for name, s1, s2 in (("dense", 100.0, 75.0), ("streaming@64", 50.0, 25.0))},
+        throughput={"dense": {"tokens_per_s": 1.0}, "streaming@64": {"tokens_per_s": 2.0}})
+    out = tmp_path / "plot.png"
+    save_plot(report, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]

@@ -138,39 +138,36 @@ def test_streaming_evicts_and_frees_memory(smollm2):
     assert full["metadata"] > 0 and full["total"] == full["kv"] + full["metadata"]
 
 
-@pytest.fixture(scope="module")
-def dense_logits(smollm2):
-    model, tokenizer = smollm2
-    with torch.no_grad():
-        return model(**_inputs(tokenizer)).logits
-
-
-@pytest.mark.parametrize("name", METHODS.names())
-def test_context_manager_leaves_no_trace(name, smollm2, seer_gates, dense_logits):
+def test_context_manager_leaves_no_trace(smollm2, seer_gates):
+    """Every method, used and left by an exception: config, hooks, registries and logits are exactly as before."""
     model, tokenizer = smollm2
     inputs = _inputs(tokenizer)
     implementation = model.config._attn_implementation
     attention_names, mask_names = set(ALL_ATTENTION_FUNCTIONS), set(ALL_MASK_ATTENTION_FUNCTIONS)
-    before = dense_logits
     with torch.no_grad():
-        with pytest.raises(RuntimeError, match="boom"):
-            with sparse_decoding(model, method=name, budget=64, **_params(name, SMALL, seer_gates)):
-                assert model.config._attn_implementation != implementation
-                model(**inputs)
-                raise RuntimeError("boom")
+        before = model(**inputs).logits
+        for name in METHODS.names():
+            with pytest.raises(RuntimeError, match="boom"):
+                with sparse_decoding(model, method=name, budget=64, **_params(name, SMALL, seer_gates)) as session:
+                    assert model.config._attn_implementation != implementation
+                    model(**inputs)
+                    assert session.cache.layers[9].length == inputs.input_ids.shape[1]  # the sparse cache was used
+                    raise RuntimeError("boom")
+            assert model.config._attn_implementation == implementation, name
+            assert not model._forward_pre_hooks, name
+            assert set(ALL_ATTENTION_FUNCTIONS) == attention_names and set(ALL_MASK_ATTENTION_FUNCTIONS) == mask_names
         after = model(**inputs).logits
     assert torch.equal(before, after)
-    assert model.config._attn_implementation == implementation
-    assert not model._forward_pre_hooks
-    assert set(ALL_ATTENTION_FUNCTIONS) == attention_names and set(ALL_MASK_ATTENTION_FUNCTIONS) == mask_names
 
 
 def test_triton_kernels_in_the_loop(smollm2, dense_tokens):
-    """The Triton kernels themselves (interpreter on CPU) drive generation: quest scores + sparse attention."""
+    """The Triton kernels themselves (interpreter on CPU) drive generation: quest scores + sparse attention.
+
+    Layers 0-3 run the Triton kernels, the others stay dense (the interpreter is slow on CPU)."""
     model, tokenizer = smollm2
-    with sparse_decoding(model, method="quest", budget=512, kernel="triton", dense_layers=()) as session:
+    with sparse_decoding(model, method="quest", budget=512, kernel="triton", dense_layers=range(4, 30)) as session:
         tokens = _generate(model, tokenizer, _inputs(tokenizer), max_new_tokens=2)
-        assert session.cache.layers[0].sparse_steps == 1
+        assert [layer.sparse_steps for layer in session.cache.layers[:5]] == [1, 1, 1, 1, 0]
     assert torch.equal(tokens, dense_tokens[:, : tokens.shape[1]])
 
 
@@ -224,11 +221,11 @@ def test_hybrid_model_sparsifies_only_softmax_layers(smollm2):
     hybrid = to_hybrid(model, HybridSection(layers=[3, 7], layer_type="gdn", base_model_type="llama"))
     assert set(softmax_attention_layers(hybrid)) == set(range(30)) - {3, 7}
     inputs = _inputs(tokenizer)
-    dense = _generate(hybrid, tokenizer, inputs, max_new_tokens=4)
+    dense = _generate(hybrid, tokenizer, inputs, max_new_tokens=3)
     with sparse_decoding(hybrid, method="quest", budget=512, dense_layers=()) as session:
-        tokens = _generate(hybrid, tokenizer, inputs, max_new_tokens=4)
+        tokens = _generate(hybrid, tokenizer, inputs, max_new_tokens=3)
         kinds = [type(layer).__name__ for layer in session.cache.layers]
         steps = {layer.sparse_steps for layer in session.cache.layers if isinstance(layer, SparseLayer)}
     assert kinds[3] == kinds[7] == "LinearAttentionLayer" and kinds.count("SparseLayer") == 28
-    assert steps == {3}
+    assert steps == {2}
     assert torch.equal(tokens, dense)

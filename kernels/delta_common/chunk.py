@@ -25,8 +25,8 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
 Intermediates live in padded buffers [B, H, NT*BT, ...] (fp32); padded rows have k = v = q = beta = 0
 and g = 0, which makes them exact no-ops. Nothing is kept from the forward for the backward but the inputs.
 Every tl.dot takes fp32 operands: exact ("ieee") for fp32 inputs, TF32 for bf16/fp16 inputs.
-Per-call GPU profile (H200, B=1, T=16384, H=32, K=V=128, bf16) is in the report of the issue that added
-this file; the state passes, the KDA sub-chunk kernels and the register-heavy backward kernels dominate.
+On an H200 (B=1, T=16384, H=32, K=V=128, bf16) the sequential state passes, KDA's sub-chunk kernels
+(_kda_intra, _kda_intra_bwd) and the register-heavy backward kernels (_bwd_dqk, _bwd_wy) dominate the time.
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 """
@@ -39,7 +39,8 @@ import triton.language as tl
 # Tunable launch constants (Hopper defaults).
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
-BLOCK_V = 32        # BV: value-dimension block of the state kernels
+BLOCK_V = 32        # BV: value-dimension block of the sequential state kernels and the backward chunk kernels
+BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
 KDA_BK = 64         # key-dimension block of KDA's sub-chunk kernels
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -784,7 +785,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel):
     H, V = k.shape[2], v.shape[-1]
     c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward=False)
     o = torch.empty(B, T, Hq, V, device=q.device, dtype=v.dtype)
-    BV, NT = c["BV"], c["NT"]
+    BV, NT = min(BLOCK_V_OUT, V), c["NT"]
     _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], c["P"] if per_channel else c["Gc"], c["Hs"], c["Vp"], o,
                                           scale, T, c["Tp"], NT, H, Hq // H, K=K, V=V, BT=CHUNK, BV=BV,
                                           PER_CHANNEL=per_channel, PREC=c["prec"],
@@ -803,8 +804,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel):
     dev, f32 = q.device, torch.float32
     Gc = c["Gc"]
     dVl = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
-    _dv_local_kernel[(V // BV, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, scale, T, Tp, H, NG,
-                                           K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel, PREC=prec, **_kw("dv_local"))
+    BVO = min(BLOCK_V_OUT, V)
+    _dv_local_kernel[(V // BVO, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, scale, T, Tp, H, NG,
+                                           K=K, V=V, BT=BT, BV=BVO, PER_CHANNEL=per_channel, PREC=prec, **_kw("dv_local"))
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     dVp = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32)
@@ -908,6 +910,14 @@ def _triton_usable(device):
 
 def chunk_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                      per_channel=False):
+    """Chunked gated delta rule; the body of ``chunk_gated_delta_rule`` (per_channel=False, g [B, T, H]) and
+    ``chunk_kda`` (per_channel=True, g [B, T, H, K]).
+
+    q [B, T, Hq, K], k [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None.
+    Returns (o [B, T, Hq, V] in v's dtype, final state [B, H, K, V] float32 or None). CUDA tensors run the
+    Triton kernels (so do CPU tensors under TRITON_INTERPRET=1); other CPU tensors run the float64 chunked
+    specification (differentiable through autograd). Raises ValueError naming the offending argument.
+    """
     _validate(q, k, v, g, beta, initial_state, per_channel)
     K = q.shape[-1]
     if scale is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
-from retrofit.eval.table import _label, _shown
+from retrofit.eval.table import metric_label, shown_value
 
 
 def save_plot(report: EvalReport, path: Path) -> None:
@@ -45,10 +45,10 @@ def save_plot(report: EvalReport, path: Path) -> None:
         axis.set(title=name, xlabel="context length (tokens)", ylabel="score (%)", ylim=(-5, 105))
         axis.legend(fontsize=7)
     for axis, (task, metric) in zip(flat[len(synthetic):], panels):
-        values = [_shown(metric, report.results[variant][task][metric]) for variant in variants]
+        values = [shown_value(metric, report.results[variant][task][metric]) for variant in variants]
         axis.bar(range(len(variants)), values, color=[f"C{index}" for index in range(len(variants))])
         axis.set_xticks(range(len(variants)), variants, rotation=20, fontsize=7)
-        axis.set_title(_label(task, metric))
+        axis.set_title(metric_label(task, metric))
     for axis in flat[count:]:
         axis.set_visible(False)
     figure.tight_layout()

@@ -2,7 +2,8 @@
 value with its delta to dense, and a last row of tokens/s with the speed ratio to dense.
 
 Accuracies (``acc``, ``acc_norm``; fractions in the JSON) are shown in percent; ``score``/``partial`` of the
-synthetic tasks are already percentages; ``ppl`` is shown as is.
+synthetic tasks are already percentages; ``ppl`` is shown as is. tokens/s = tokens run through the model
+(non-pad prompt and generated tokens) / seconds spent in the model calls, over all tasks of the variant.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from retrofit.eval.runner import EvalReport
 PERCENT_METRICS = {"acc", "acc_norm"}
 
 
-def _shown(metric: str, value: float) -> float:
+def shown_value(metric: str, value: float) -> float:
     return 100.0 * value if metric in PERCENT_METRICS else value
 
 
-def _label(task: str, metric: str) -> str:
+def metric_label(task: str, metric: str) -> str:
     return f"{task} {metric} (%)" if metric in PERCENT_METRICS else f"{task} {metric}"
 
 
@@ -34,15 +35,15 @@ def markdown_table(report: EvalReport) -> str:
     lines = ["| task / metric | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
     for task, metrics in dense_results.items():
         for metric, dense_value in metrics.items():
-            cells = [_format(_shown(metric, dense_value))]
+            cells = [_format(shown_value(metric, dense_value))]
             for variant in variants[1:]:
                 value = report.results[variant].get(task, {}).get(metric)
                 if value is None:
                     cells.append("—")
                     continue
-                delta = _shown(metric, value) - _shown(metric, dense_value)
-                cells.append(f"{_format(_shown(metric, value))} ({delta:+.3f})")
-            lines.append(f"| {_label(task, metric)} | " + " | ".join(cells) + " |")
+                delta = shown_value(metric, value) - shown_value(metric, dense_value)
+                cells.append(f"{_format(shown_value(metric, value))} ({delta:+.3f})")
+            lines.append(f"| {metric_label(task, metric)} | " + " | ".join(cells) + " |")
     dense_speed = report.throughput[variants[0]]["tokens_per_s"]
     speed_cells = [f"{dense_speed:.1f}"]
     for variant in variants[1:]:
