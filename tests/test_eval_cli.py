@@ -120,3 +120,23 @@ def test_plot_is_written_atomically_as_png(tmp_path):
     save_plot(report, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_hybrid_variant_loads_a_saved_checkpoint(smollm2, eval_data_dir, tmp_path):
+    """--hybrid DIR evaluates the checkpoint beside dense: one layer converted to GDN (initialised from the
+    attention weights, not distilled) must change the perplexity, and the numbers must stay finite."""
+    from retrofit.convert.hybrid import HybridSection, save_hybrid, to_hybrid
+
+    dense_model, tokenizer = smollm2
+    hybrid = to_hybrid(dense_model, HybridSection(layers=[15], layer_type="gdn", base_model_type="llama"))
+    save_hybrid(hybrid, tokenizer, tmp_path / "gdn15")
+    out = tmp_path / "eval.json"
+    text = eval_data_dir / "tinyshakespeare.txt"
+    result = run("eval", "smollm2-135m", "--tasks", f"ppl:{text}", "--seq-len", "64", "--limit", "2",
+                 "--device", "cpu", "--hybrid", str(tmp_path / "gdn15"), "--json", str(out))
+    assert result.exit_code == 0, result.output
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["dense", "hybrid:gdn15"]
+    dense_ppl, hybrid_ppl = (results[name][f"ppl:{text}"]["ppl"] for name in results)
+    assert 1 < dense_ppl < 1000 and 1 < hybrid_ppl < 1e6
+    assert abs(hybrid_ppl - dense_ppl) / dense_ppl > 1e-3  # an untrained GDN layer is not the attention it replaced

@@ -127,9 +127,9 @@ def test_expanded_kv_heads_equal_grouped_heads_at_init(smollm2, attention_inputs
     with torch.no_grad(), use_backend("torch"):
         a = grouped(hidden.double(), position_embeddings=rope64)[0]
         b = expanded(hidden.double(), position_embeddings=rope64)[0]
-    # the same function computed with differently batched heads, in float64: equal to rounding (~1e-15 relative;
-    # 1e-10 leaves room for the RMSNorm amplifying it where an output row is small)
-    assert (a - b).abs().max().item() < 1e-10 * a.abs().max().item()
+    # the same function computed with differently batched heads in float64, except the short conv (the kernels'
+    # reference conv computes in float32): float32 rounding, ~2e-8 relative; a wrong head mapping is off by O(1)
+    assert (a - b).abs().max().item() < 1e-6 * a.abs().max().item()
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

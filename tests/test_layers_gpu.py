@@ -51,8 +51,8 @@ def test_gpu_conversion_decodes_like_full_forward(smollm2, calib_data_dir, tmp_p
     with torch.no_grad():
         full = model(ids).logits
         cache = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :70], cache=cache, use_cache=True).logits]
+        pieces = [model(ids[:, :70], past_key_values=cache, use_cache=True).logits]
         for t in range(70, 90):
-            pieces.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
     # fp32 (tf32 off by default in torch matmuls); the task's bar is 1e-3
     assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-3

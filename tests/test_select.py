@@ -47,14 +47,14 @@ def test_fraction_counts():
 
 @pytest.fixture(scope="module")
 def scored(smollm2, calib_data_dir):
-    """Scores of all 30 SmolLM2 layers from a short alignment (6 steps x 2 windows of 64 tokens), plus held-out
-    windows the scorer never saw."""
+    """Scores of all 30 SmolLM2 layers from a short alignment (4 steps x 2 windows of 64 tokens) and a KL probe on 3
+    windows, plus 3 held-out windows the scorer never saw."""
     model, tokenizer = smollm2
-    windows = token_windows(tokenizer, [str(calib_data_dir)], 12 + 4 + 4, 64, seed=7, show_progress=False)
+    windows = token_windows(tokenizer, [str(calib_data_dir)], 8 + 3 + 3, 64, seed=7, show_progress=False)
     aligned: dict = {}
-    scores = score_layers(model, windows[:16], layer_type="gdn", align_steps=6, batch_size=2, probe_windows=4,
+    scores = score_layers(model, windows[:11], layer_type="gdn", align_steps=4, batch_size=2, probe_windows=3,
                           show_progress=False, aligned=aligned)
-    return scores, windows[16:], aligned
+    return scores, windows[11:], aligned
 
 
 def test_scored_selector_ranks_every_layer(scored):

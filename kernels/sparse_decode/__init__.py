@@ -1,4 +1,4 @@
-"""Sparse-decode attention (one decode token over selected cache blocks) and the per-step block scoring.
+"""Sparse-decode attention (one decode token over selected cache blocks), the per-step block scoring and top-k.
 
 Triton kernels and their pure-PyTorch references; ``dispatch`` picks the kernel on CUDA and the reference on CPU.
 """
@@ -8,8 +8,10 @@ from retrofit.kernels.sparse_decode.reference import (
     quest_page_scores_ref,
     selected_positions,
     sparse_decode_attention_ref,
+    topk_indices_ref,
 )
 from retrofit.kernels.sparse_decode.scoring import cluster_scores, quest_page_scores
+from retrofit.kernels.sparse_decode.topk import topk_indices
 
 __all__ = [
     "sparse_decode_attention",
@@ -18,5 +20,7 @@ __all__ = [
     "quest_page_scores_ref",
     "cluster_scores",
     "cluster_scores_ref",
+    "topk_indices",
+    "topk_indices_ref",
     "selected_positions",
 ]

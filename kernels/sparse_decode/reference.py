@@ -99,3 +99,12 @@ def cluster_scores_ref(q: torch.Tensor, centroids: torch.Tensor, num_clusters: i
     Hkv = centroids.shape[1]
     queries = q.float().view(B, Hkv, Hq // Hkv, D)
     return torch.einsum("bhgd,bhcd->bhgc", queries, centroids[:, :, :num_clusters].float()).amax(2)
+
+
+def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` largest scores of each row, ascending; ties go to the lower position.
+
+    scores [R, P] fp32 (k <= P) -> indices [R, k] int32.
+    """
+    order = torch.sort(-scores.float(), dim=-1, stable=True).indices[:, :k]
+    return order.sort(dim=-1).values.to(torch.int32)

@@ -49,7 +49,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
     from retrofit.bench.measure import run_bench
     from retrofit.bench.report import markdown_table
-    from retrofit.eval.command import default_dtype, parse_lengths
+    from retrofit.eval.command import default_dtype, library_versions, parse_lengths
     from retrofit.eval.loglikelihood import max_model_length
     from retrofit.eval.runner import write_json_atomic
     from retrofit.eval.variants import variants_from_options
@@ -83,7 +83,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
               "contexts": context_list, "batches": batch_list, "decode_tokens": decode_tokens,
               "device": str(torch_device), "dtype": dtype, "build_seconds": build_seconds,
               "parameters": sum(p.numel() for p in model.parameters()),
-              "variants": ["dense"] + [variant.name for variant in variants]}
+              "variants": ["dense"] + [variant.name for variant in variants], "versions": library_versions()}
     if torch_device.type == "cuda":
         import torch
 

@@ -6,6 +6,7 @@ import math
 from retrofit.bench.measure import BenchPoint
 
 GIB = 1024 ** 3
+MIB = 1024 ** 2
 
 
 def _context(tokens: int) -> str:
@@ -14,10 +15,10 @@ def _context(tokens: int) -> str:
 
 def markdown_table(points: list[BenchPoint]) -> str:
     """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token and tokens/s (with the
-    speed-up over dense at the same point), peak memory, its rise over the start, and cache GiB."""
+    speed-up over dense at the same point), peak memory, its rise over the start, and cache MiB."""
     dense = {(p.context, p.batch): p for p in points if p.variant == "dense"}
     lines = ["| variant | context | batch | prefill s | prefill tok/s | decode ms/tok | decode tok/s | "
-             "vs dense | peak GiB | Δpeak GiB | cache GiB |",
+             "vs dense | peak GiB | Δpeak GiB | cache MiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for point in points:
         head = f"| {point.variant} | {_context(point.context)} | {point.batch} |"
@@ -30,7 +31,7 @@ def markdown_table(points: list[BenchPoint]) -> str:
         lines.append(head + f" {point.prefill_s:.3f} | {point.prefill_tokens_per_s:,.0f} | "
                      f"{1000 * point.decode_s_per_token:.2f} | {point.decode_tokens_per_s:,.1f} | {ratio:.2f}x | "
                      f"{point.peak_bytes / GIB:.2f} | {point.peak_delta_bytes / GIB:.2f} | "
-                     f"{point.cache_bytes / GIB:.3f} |")
+                     f"{point.cache_bytes / MIB:,.1f} |")
     memory_kind = next((p.memory_kind for p in points if p.memory_kind), "")
     lines.append("")
     lines.append(f"peak = highest {memory_kind} bytes during prefill+decode; Δpeak = peak minus the bytes in use "

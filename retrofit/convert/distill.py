@@ -408,8 +408,10 @@ class Distiller:
         if self.saved is None:
             from retrofit.convert.init import match_output_scale
 
+            # the same windows on every rank and for any world size (a global batch), so runs agree
+            calibration = self.windows[: self.config.batch_size * self.world_size].to(self.device)
             with self._autocast():
-                match_output_scale(self.converted_layers(), self.dense, self._sampler(1).batch(0).to(self.device))
+                match_output_scale(self.converted_layers(), self.dense, calibration)
         skip_stage1 = self.saved is not None and self.saved["stage"] == 2
         if not skip_stage1:
             self.stage1()

@@ -222,12 +222,15 @@ def save_hybrid(model, tokenizer, out: str | os.PathLike, overwrite: bool = Fals
 def load_hybrid(path: str | os.PathLike, dtype=None, device="cpu"):
     """Load a hybrid checkpoint saved by :func:`save_hybrid` -> model in eval mode on ``device``.
 
-    ``dtype``: a torch dtype or None (float32).
+    ``dtype``: a torch dtype, a name (``float32``, ``bfloat16``, ...) or None (float32).
     """
     import json
 
     import torch
 
+    from retrofit.load import parse_dtype
+
+    dtype = parse_dtype(dtype)
     register()
     raw = json.loads((Path(path) / "config.json").read_text())
     section = HybridSection.from_dict(raw["retrofit"])

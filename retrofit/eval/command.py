@@ -61,6 +61,15 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
     return files
 
 
+def library_versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import retrofit
+
+    return {"retrofit": retrofit.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def default_dtype(device: str) -> str:
     from retrofit.load import parse_device
 
@@ -79,7 +88,8 @@ def default_dtype(device: str) -> str:
 @click.option("--context-length", "context_length", default="4096", show_default=True,
               help="Comma-separated prompt lengths of the synthetic tasks (1k = 1024).")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed of the synthetic tasks.")
-@click.option("--num-seeds", type=int, default=1, show_default=True, help="Seeds seed..seed+N-1 (items pooled).")
+@click.option("--num-seeds", type=int, default=1, show_default=True,
+              help="Seeds seed..seed+N-1: items pooled into score; score_sd = sample SD of the per-seed scores.")
 @click.option("--haystack", type=click.Path(path_type=Path), default=None,
               help="Text file whose sentences replace the noise haystack of the synthetic tasks.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Rows per forward / generate call.")
@@ -125,7 +135,7 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
               "seq_len": seq_len, "context_lengths": list(settings.context_lengths), "seeds": settings.seeds,
               "haystack": str(haystack) if haystack else None, "batch_size": batch_size,
               "device": str(next(loaded.parameters()).device), "dtype": dtype,
-              "variants": ["dense"] + [variant.name for variant in variants]}
+              "variants": ["dense"] + [variant.name for variant in variants], "versions": library_versions()}
     report = run_eval(loaded, tokenizer, jobs, variants, batch_size, config)
     report.config["wall_seconds"] = time.perf_counter() - began
     if json_path is not None:

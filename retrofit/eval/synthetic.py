@@ -2,7 +2,7 @@
 
 Each item is a prompt of token ids that fits ``context_length`` (the prompt takes at most
 ``context_length - max_new_tokens`` tokens, so prompt + answer fit the window, and at least 90% of the window
-for lengths >= 512) and the answer string(s) that the greedy continuation must contain. The amount of
+for lengths >= 1024) and the answer string(s) that the greedy continuation must contain. The amount of
 haystack is binary-searched on the real tokenizer. Prompts go through the tokenizer's chat template when it
 has one, followed by an answer prefix (as RULER does), so a few greedy tokens suffice.
 
@@ -278,23 +278,39 @@ def generate_item(task: SyntheticTask, tokenizer, context_length: int, seed: int
         parts = task.build(_item_rng(task.name, context_length, seed, index), size, haystack, depth)
         return render_prompt(tokenizer, parts), parts
 
-    smallest, parts = render(1)
-    if len(smallest) > budget:
+    fits: dict[int, tuple[list[int], PromptParts]] = {}
+
+    def fits_budget(size: int) -> bool:
+        ids, parts = render(size)
+        if len(ids) <= budget:
+            fits[size] = (ids, parts)
+            return True
+        return False
+
+    if not fits_budget(1):
         raise RetrofitError(f"--context-length {context_length} is too short for {task.name}: its prompt takes "
-                            f"{len(smallest)} tokens before any haystack (plus {task.max_new_tokens} to generate)")
-    low, high = 1, 2
-    fits: dict[int, tuple[list[int], PromptParts]] = {1: (smallest, parts)}
-    while True:
-        ids, parts = render(high)
-        if len(ids) > budget:
-            break
-        fits[high] = (ids, parts)
-        low, high = high, high * 2
+                            f"{len(render(1)[0])} tokens before any haystack (plus {task.max_new_tokens} to generate)")
+    # Tokens grow about linearly with the haystack size: guess from two sizes, gallop to a bracket, then bisect
+    # (a handful of tokenizations even at 128K tokens).
+    probe = 64
+    base = len(fits[1][0])
+    probe_length = len(render(probe)[0])
+    per_unit = max((probe_length - base) / (probe - 1), 1e-3)
+    guess = max(1, int(1 + (budget - base) / per_unit))
+    step = max(1, guess // 50)
+    if fits_budget(guess):
+        low = guess
+        while fits_budget(low + step):
+            low, step = low + step, step * 2
+        high = low + step
+    else:
+        high = guess
+        while high - step > 1 and not fits_budget(high - step):
+            high, step = high - step, step * 2
+        low = max(1, high - step)
     while high - low > 1:
         middle = (low + high) // 2
-        ids, parts = render(middle)
-        if len(ids) <= budget:
-            fits[middle] = (ids, parts)
+        if fits_budget(middle):
             low = middle
         else:
             high = middle

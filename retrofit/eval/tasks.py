@@ -8,6 +8,8 @@ jsonl), and the synthetic tasks ``niah_single``, ``niah_multikey``, ``niah_multi
 """
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -138,7 +140,14 @@ def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
             items = state["items"]
             outputs = greedy_generate(model, tokenizer, [list(item.prompt_ids) for item in items],
                                       items[0].max_new_tokens, batch_size, f"{task}@{length}", throughput)
-            return synthetic.score_outputs(task, items, outputs)
+            metrics = synthetic.score_outputs(task, items, outputs)
+            if settings.num_seeds > 1:
+                per_seed = [synthetic.score_outputs(task, [i for i in items if i.seed == seed],
+                                                    [o for i, o in zip(items, outputs) if i.seed == seed])["score"]
+                            for seed in settings.seeds]
+                mean = sum(per_seed) / len(per_seed)
+                metrics["score_sd"] = (sum((value - mean) ** 2 for value in per_seed) / (len(per_seed) - 1)) ** 0.5
+            return metrics
 
         jobs.append(Job(f"{task}@{length}", run, prepare))
     return jobs
@@ -191,9 +200,12 @@ def resolve_task(name: str, settings: EvalSettings) -> TaskSpec:
 
         return TaskSpec(name, _multiple_choice_jobs(multiple_choice.load_jsonl, task_file),
                         lambda task, settings: task_file(settings) and None)
-    if name not in TASKS and settings.task_files:
-        known = TASKS.unknown_message(name)
-        raise RetrofitError(f"{known}, or a --task-file name ({', '.join(sorted(settings.task_files))})")
+    if name not in TASKS:
+        choices = TASKS.names() + sorted(settings.task_files)
+        close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RetrofitError(f"unknown task {name!r}{hint}; choose from: {', '.join(choices)}, ppl:PATH, "
+                            "or a name bound with --task-file NAME=PATH")
     return TASKS.get(name)
 
 

@@ -20,6 +20,8 @@ from retrofit.kernels.sparse_decode import (
     quest_page_scores_ref,
     sparse_decode_attention,
     sparse_decode_attention_ref,
+    topk_indices,
+    topk_indices_ref,
 )
 
 FP32_TOL = 1e-5  # see module docstring
@@ -113,6 +115,43 @@ def test_cluster_scores_match_reference_fp32(num_clusters):
     with nan_poisoned_allocations():
         scores = cluster_scores(q, centroids, num_clusters)
     assert rel_rms(scores, cluster_scores_ref(q, centroids, num_clusters)) < FP32_TOL
+
+
+TOPK_CASES = {"P1-k1": (1, 1), "P63-k5": (63, 5), "P75-k75": (75, 75), "P75-k16": (75, 16), "P8192-k128": (8192, 128)}
+
+
+def _topk_scores(P, device="cpu"):
+    """Rows with -inf padding, exact ties, signed zeros and many repeated values (where tie-breaking matters)."""
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(5, P, generator=gen)
+    scores[0, : P // 3] = float("-inf")
+    scores[1, ::3] = 0.5
+    scores[2] = torch.randint(-2, 2, (P,), generator=gen).float()
+    scores[3, : P // 2] = -0.0
+    scores[4, : P // 2] = 0.0
+    return scores.to(device)
+
+
+@pytest.mark.parametrize("case", list(TOPK_CASES), ids=list(TOPK_CASES))
+def test_topk_indices_match_reference_exactly(case):
+    """Exact integer output (no tolerance): same k positions, ascending, ties to the lowest position."""
+    P, k = TOPK_CASES[case]
+    scores = _topk_scores(P)
+    with nan_poisoned_allocations():
+        indices = topk_indices(scores, k)
+    expected = topk_indices_ref(scores, k)
+    assert torch.equal(indices, expected)
+    # the chosen scores are the k largest: same multiset of values as torch.topk
+    chosen = scores.gather(1, indices.long()).sort(-1).values
+    assert torch.equal(chosen, torch.topk(scores, k, dim=-1).values.sort(-1).values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(TOPK_CASES), ids=list(TOPK_CASES))
+def test_topk_indices_gpu(case):
+    P, k = TOPK_CASES[case]
+    scores = _topk_scores(P, "cuda")
+    assert torch.equal(topk_indices(scores, k), topk_indices_ref(scores, k))
 
 
 @pytest.mark.gpu

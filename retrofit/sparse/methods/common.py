@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from retrofit.kernels.sparse_decode import topk_indices, topk_indices_ref
 from retrofit.sparse.base import Selection
 
 
@@ -59,3 +60,10 @@ def full_counts(layer, top: torch.Tensor) -> torch.Tensor:
         cached = (top.shape[2], torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device))
         layer.meta["_full_counts"] = cached
     return cached[1]
+
+
+def best_blocks(layer, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending; Triton on GPU)."""
+    B, H, P = scores.shape
+    select = topk_indices if layer.use_triton(scores) else topk_indices_ref
+    return select(scores.reshape(B * H, P), k).view(B, H, k)

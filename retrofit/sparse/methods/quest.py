@@ -12,7 +12,7 @@ import torch
 
 from retrofit.kernels.sparse_decode import quest_page_scores, quest_page_scores_ref
 from retrofit.sparse.base import Selection, SparseMethod, register, require
-from retrofit.sparse.methods.common import full_counts, grown
+from retrofit.sparse.methods.common import best_blocks, full_counts, grown
 
 
 @register("quest")
@@ -48,9 +48,8 @@ class Quest(SparseMethod):
         valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)  # [B, L]
         span = torch.nn.functional.pad(span, (0, 0, 0, pad)).view(B, H, last - first, ps, D)
         valid = valid.view(B, 1, last - first, ps, 1)
-        inf = torch.tensor(float("inf"), dtype=span.dtype, device=span.device)
-        page_min = torch.where(valid, span, inf).amin(3)
-        page_max = torch.where(valid, span, -inf).amax(3)
+        page_min = torch.where(valid, span, float("inf")).amin(3)
+        page_max = torch.where(valid, span, float("-inf")).amax(3)
         meta["page_min"][:, :, first:last] = torch.where(torch.isinf(page_min), 0, page_min)
         meta["page_max"][:, :, first:last] = torch.where(torch.isinf(page_max), 0, page_max)
         meta["num_pages"] = last
@@ -62,5 +61,5 @@ class Quest(SparseMethod):
         num_pages = meta["num_pages"]
         score = quest_page_scores if layer.use_triton(query) else quest_page_scores_ref
         scores = score(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
-        top = torch.topk(scores, min(self.budget // self.page_size, num_pages), dim=-1, sorted=False).indices
-        return Selection(top.to(torch.int32), full_counts(layer, top), self.page_size)
+        top = best_blocks(layer, scores, min(self.budget // self.page_size, num_pages))
+        return Selection(top, full_counts(layer, top), self.page_size)

@@ -19,7 +19,7 @@ from torch import nn
 from retrofit.errors import RetrofitError
 from retrofit.kernels.sparse_decode import cluster_scores, cluster_scores_ref
 from retrofit.sparse.base import Selection, SparseMethod, register, require
-from retrofit.sparse.methods.common import full_counts, grown
+from retrofit.sparse.methods.common import best_blocks, full_counts, grown
 
 GATE_FORMAT = "retrofit-seer-gates"
 
@@ -169,5 +169,5 @@ class SeerAttention(SparseMethod):
         block_end = (torch.arange(num, device=query.device) + 1) * self.block_size
         scores = scores.masked_fill((block_end[None, :] <= layer.kv_start.long()[:, None])[:, None, :], float("-inf"))
         scores[:, :, num - 1] = float("inf")
-        top = torch.topk(scores, min(self.budget // self.block_size, num), dim=-1, sorted=False).indices
-        return Selection(top.to(torch.int32), full_counts(layer, top), self.block_size)
+        top = best_blocks(layer, scores, min(self.budget // self.block_size, num))
+        return Selection(top, full_counts(layer, top), self.block_size)
