@@ -95,11 +95,10 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 
 
 # Commands that live beside their feature register here, once they work.
-from retrofit.eval.command import eval_command  # noqa: E402  (engineer E: eval)
-from retrofit.bench.command import bench_command  # noqa: E402  (engineer E: bench)
+from retrofit.bench.command import bench_command  # noqa: E402
+from retrofit.convert.command import convert_command, select_command  # noqa: E402
+from retrofit.eval.command import eval_command  # noqa: E402
+from retrofit.sparse.gates import gates_command  # noqa: E402
 
-main.add_command(eval_command)
-main.add_command(bench_command)
-from retrofit.sparse.gates import gates_command  # noqa: E402  (engineer S: SeerAttention gate training)
-
-main.add_command(gates_command)
+for _command in (convert_command, select_command, eval_command, bench_command, gates_command):
+    main.add_command(_command)

@@ -7,12 +7,17 @@
 from retrofit.errors import RetrofitError
 from retrofit.load import load
 
+from retrofit.convert.hybrid import register as _register_hybrid_models
+
+# Hybrid checkpoints load through AutoModelForCausalLM once retrofit is imported (configs only; no modeling code yet).
+_register_hybrid_models()
+
 __version__ = "0.1.0"
 __all__ = ["load", "sparse_decoding", "RetrofitError", "__version__"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: `import retrofit` stays cheap and patches nothing.
+    # Imported on first use: `import retrofit` patches nothing.
     if name == "sparse_decoding":
         from retrofit.sparse import sparse_decoding
 

@@ -28,12 +28,27 @@ PROMPT = ("It was the best of times, it was the worst of times, it was the age o
 SMALL = dict(tokens=2048, seq_len=64, batch_size=4, stage1_fraction=0.5, checkpoint_every=0)  # 4 align + 4 distill steps
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Run this module's small tensor ops on one thread: on a busy 2-core machine OpenMP's barriers make two
+    threads ~10x slower than one for these shapes (measured: a tiny conversion took 91 s with 2 threads, 6 s with 1)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def small_hybrid(smollm2, calib_data_dir, tmp_path_factory):
     """Path of a GDN hybrid of SmolLM2 (layers 13 and 22 converted) distilled on 2K tokens of the calibration books."""
     out = tmp_path_factory.mktemp("hybrid") / "smollm2-gdn-small"
-    convert(smollm2, recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], out=out, show_progress=False,
-            **SMALL)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # see one_cpu_thread: this session fixture is built before module fixtures
+    try:
+        convert(smollm2, recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], out=out, show_progress=False,
+                **SMALL)
+    finally:
+        torch.set_num_threads(previous)
     return out
 
 

@@ -56,13 +56,15 @@ def test_variant_options_need_their_partner():
 
 def test_eval_writes_json_and_prints_the_table(eval_data_dir, tmp_path):
     out = tmp_path / "nested" / "eval.json"
-    result = run("eval", "smollm2-135m", "--tasks", "arc_easy", "--data-dir", str(eval_data_dir), "--limit", "3",
-                 "--device", "cpu", "--json", str(out))
+    result = run("eval", "smollm2-135m", "--tasks", "arc_easy,mine", "--data-dir", str(eval_data_dir),
+                 "--task-file", f"mine={eval_data_dir / 'piqa.jsonl'}", "--limit", "3", "--device", "cpu",
+                 "--json", str(out))
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
     assert list(payload["results"]) == ["dense"]
-    metrics = payload["results"]["dense"]["arc_easy"]
-    assert set(metrics) == {"acc", "acc_norm"} and all(v in (0, 1 / 3, 2 / 3, 1) for v in metrics.values())
+    assert list(payload["results"]["dense"]) == ["arc_easy", "mine"]  # a --task-file name is a task like any other
+    for metrics in payload["results"]["dense"].values():
+        assert set(metrics) == {"acc", "acc_norm"} and all(v in (0, 1 / 3, 2 / 3, 1) for v in metrics.values())
     assert payload["config"]["limit"] == 3 and payload["config"]["dtype"] == "float32"
     assert payload["throughput"]["dense"]["tokens_per_s"] > 0
     assert not list(out.parent.glob(".*.tmp"))  # the temporary file was renamed, not left behind

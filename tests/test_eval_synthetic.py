@@ -7,7 +7,7 @@ import pytest
 from retrofit.errors import RetrofitError
 from retrofit.eval.generation import greedy_generate
 from retrofit.eval.synthetic import (NOISE, SYNTHETIC_TASKS, Haystack, SyntheticItem, generate_items,
-                                     insert_at_depths, score_outputs)
+                                     insert_at_depths, score_outputs, seed_spread)
 
 TASK_NAMES = SYNTHETIC_TASKS.names()
 
@@ -116,3 +116,10 @@ def test_dense_smollm2_reads_the_pass_key_at_1k(smollm2):
     outputs = greedy_generate(model, tokenizer, [list(item.prompt_ids) for item in items], items[0].max_new_tokens,
                               batch_size=4)
     assert score_outputs("passkey", items, outputs)["score"] >= 75.0, outputs
+
+
+def test_seed_spread_is_the_sample_sd_of_per_seed_scores():
+    items = [SyntheticItem("passkey", 1024, seed, index, (1,), ("42",), 8) for seed in (0, 1) for index in range(2)]
+    outputs = ["42", "42", "42", "7"]  # seed 0: 100%, seed 1: 50% -> mean 75, sample SD = sqrt(2 * 25^2 / 1)
+    assert seed_spread("passkey", items, outputs) == pytest.approx(50 / 2 ** 0.5)
+    assert score_outputs("passkey", items, outputs)["score"] == 75.0

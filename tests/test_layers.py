@@ -14,6 +14,17 @@ from retrofit.convert.init import init_from_attention
 from retrofit.layers import LAYER_TYPES, AttentionShape, LinearAttentionSpec
 from retrofit.layers.common import use_backend
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Run this module's small tensor ops on one thread: on a busy 2-core machine OpenMP's barriers make two
+    threads ~10x slower than one for these shapes (measured: a tiny conversion took 91 s with 2 threads, 6 s with 1)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 LAYER = 5
 TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting the steps as his father had "
         "done before him, and when he reached the lamp he paused to watch the ships come home across the grey "

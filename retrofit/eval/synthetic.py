@@ -349,3 +349,14 @@ def score_outputs(task_name: str, items: list[SyntheticItem], outputs: list[str]
     if task.multi_answer:
         metrics["partial"] = 100.0 * sum(fractions) / len(items)
     return metrics
+
+
+def seed_spread(task_name: str, items: list[SyntheticItem], outputs: list[str]) -> float:
+    """Sample standard deviation (n - 1) of the per-seed ``score`` (percentage points); needs >= 2 seeds."""
+    seeds = sorted({item.seed for item in items})
+    if len(seeds) < 2:
+        raise ValueError("seed_spread needs items of at least two seeds")
+    per_seed = [score_outputs(task_name, [i for i in items if i.seed == seed],
+                              [o for i, o in zip(items, outputs) if i.seed == seed])["score"] for seed in seeds]
+    mean = sum(per_seed) / len(per_seed)
+    return (sum((value - mean) ** 2 for value in per_seed) / (len(per_seed) - 1)) ** 0.5

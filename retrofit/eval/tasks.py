@@ -62,7 +62,8 @@ class EvalSettings:
 
 @dataclass
 class Job:
-    """One result column entry: ``run(model, tokenizer, batch_size, throughput) -> {metric: value}``."""
+    """One task result (a task, or a synthetic task at one context length): ``prepare(model, tokenizer)`` once,
+    then ``run(model, tokenizer, batch_size, throughput) -> {metric: value}`` per variant."""
 
     key: str
     run: Callable[..., dict[str, float]]
@@ -142,11 +143,7 @@ def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
                                       items[0].max_new_tokens, batch_size, f"{task}@{length}", throughput)
             metrics = synthetic.score_outputs(task, items, outputs)
             if settings.num_seeds > 1:
-                per_seed = [synthetic.score_outputs(task, [i for i in items if i.seed == seed],
-                                                    [o for i, o in zip(items, outputs) if i.seed == seed])["score"]
-                            for seed in settings.seeds]
-                mean = sum(per_seed) / len(per_seed)
-                metrics["score_sd"] = (sum((value - mean) ** 2 for value in per_seed) / (len(per_seed) - 1)) ** 0.5
+                metrics["score_sd"] = synthetic.seed_spread(task, items, outputs)
             return metrics
 
         jobs.append(Job(f"{task}@{length}", run, prepare))

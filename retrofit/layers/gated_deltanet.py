@@ -117,7 +117,7 @@ class GatedDeltaNetAttention(nn.Module):
         if keep is not None:
             qkv = qkv * keep[..., None].to(qkv.dtype)
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-        q, k, v = q.view(B, T, hq, d), k.view(B, T, hk, d), v.reshape(B, T, hk, d)
+        q, k, v = q.view(B, T, hq, d), k.view(B, T, hk, d), v.reshape(B, T, hk, d).contiguous()
         if self.spec.use_rope and position_embeddings is not None:
             q, k = rotate(q, k, position_embeddings)
         q, k = l2_normalize(q), l2_normalize(k)
