@@ -81,9 +81,9 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 
     if sparse_args and not sparse_method:
         raise RetrofitError("--sparse-arg needs --sparse METHOD")
-    params = parse_sparse_args(sparse_args, method=sparse_method) if sparse_method else {}
-    if sparse_method:
-        build_method(sparse_method, budget, **params)  # bad --sparse/--budget/--sparse-arg fail before loading
+    params = parse_sparse_args(sparse_args) if sparse_method else {}
+    if sparse_method:  # bad --sparse/--budget/--sparse-arg fail before loading
+        build_method(sparse_method, budget, **{k: v for k, v in params.items() if k not in ("layers", "kernel")})
     loaded, tokenizer = load(model, dtype=dtype, device=device)
     patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
     started = time.perf_counter()

@@ -160,14 +160,17 @@ def test_context_manager_leaves_no_trace(smollm2, seer_gates):
     assert torch.equal(before, after)
 
 
-def test_triton_kernels_in_the_loop(smollm2, dense_tokens):
-    """The Triton kernels themselves (interpreter on CPU) drive generation: quest scores + sparse attention.
-
-    Layers 0-3 run the Triton kernels, the others stay dense (the interpreter is slow on CPU)."""
+@pytest.mark.parametrize("name", METHODS.names())
+def test_triton_kernels_in_the_loop(name, smollm2, dense_tokens, seer_gates):
+    """The Triton kernels themselves (interpreter on CPU) drive one decode step of every method: the block scores
+    (quest, clusterkv, seer), the top-k (quest, seer) and the sparse attention (all), on layers 0-3 (``layers=``;
+    the other layers stay dense to save interpreter time)."""
     model, tokenizer = smollm2
-    with sparse_decoding(model, method="quest", budget=512, kernel="triton", dense_layers=range(4, 30)) as session:
+    with sparse_decoding(model, method=name, budget=512, kernel="triton", layers=range(4),
+                         **_params(name, EXACT, seer_gates)) as session:
         tokens = _generate(model, tokenizer, _inputs(tokenizer), max_new_tokens=2)
-        assert [layer.sparse_steps for layer in session.cache.layers[:5]] == [1, 1, 1, 1, 0]
+        steps = [getattr(layer, "sparse_steps", None) for layer in session.cache.layers]
+    assert steps == [1] * 4 + [None] * 26  # layers 4-29 are plain DynamicLayers
     assert torch.equal(tokens, dense_tokens[:, : tokens.shape[1]])
 
 

@@ -95,3 +95,13 @@ def test_cli_generate_rejects_bad_sparse_options_before_loading():
     assert result.exit_code == 2 and "budget=0 is invalid" in result.output
     result = runner.invoke(main, ["generate", "smollm2-135m", "--prompt", "hi", "--sparse-arg", "page_size=8"])
     assert result.exit_code == 2 and "--sparse-arg needs --sparse METHOD" in result.output
+
+
+def test_layers_must_be_softmax_attention_layers(smollm2):
+    from retrofit.sparse import sparse_decoding
+
+    model, _ = smollm2
+    with pytest.raises(RetrofitError, match=r"layers=\[30\] are not softmax-attention layers of LlamaForCausalLM"):
+        with sparse_decoding(model, method="quest", budget=64, layers=[0, 30]):
+            pass
+    assert not model._forward_pre_hooks

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -156,7 +156,8 @@ class SparseSession:
 
 @contextmanager
 def sparse_decoding(
-    model: torch.nn.Module, method: str = "quest", budget: int | str = 2048, kernel: str = "auto", **params: Any
+    model: torch.nn.Module, method: str = "quest", budget: int | str = 2048, kernel: str = "auto",
+    layers: Iterable[int] | str | None = None, **params: Any
 ) -> Iterator[SparseSession]:
     """Apply a training-free sparse decoding method to ``model`` inside a ``with`` block.
 
@@ -166,15 +167,28 @@ def sparse_decoding(
 
     ``method``: a registered name (``retrofit.sparse.METHODS.names()``); ``budget``: tokens read per kv head per
     decode step; ``params``: the method's fields (strings from the CLI are converted); ``kernel``: "auto" (Triton on
-    CUDA, the PyTorch reference on CPU), "triton" or "reference". The model is restored exactly on exit.
+    CUDA, the PyTorch reference on CPU), "triton" or "reference"; ``layers``: restrict the method to these layer
+    indices (default: every softmax-attention layer; the others stay dense). The model is restored exactly on exit.
     """
     if kernel not in KERNELS:
         raise RetrofitError(f"kernel={kernel!r} is invalid: choose from {', '.join(KERNELS)}")
     sparse_method = build_method(method, budget, **params)
-    layers = softmax_attention_layers(model)
-    if not layers:
+    attention = softmax_attention_layers(model)
+    if not attention:
         raise RetrofitError(f"{type(model).__name__} has no standard softmax-attention layer to apply {method!r} to")
-    session = SparseSession(model, sparse_method, layers, kernel)
+    if layers is not None:
+        if isinstance(layers, str):  # from the CLI: "0,1,2"
+            try:
+                layers = [int(part) for part in layers.split(",") if part.strip()]
+            except ValueError:
+                raise RetrofitError(f"layers={layers!r} is invalid: expected comma-separated layer indices") from None
+        chosen = sorted({int(i) for i in layers})
+        unknown = [i for i in chosen if i not in attention]
+        if unknown:
+            raise RetrofitError(f"layers={unknown} are not softmax-attention layers of {type(model).__name__} "
+                                f"(those are {min(attention)}..{max(attention)} minus converted/sliding ones)")
+        attention = {i: attention[i] for i in chosen}
+    session = SparseSession(model, sparse_method, attention, kernel)
     name = f"retrofit_sparse_{id(session):x}"
     configs = _attention_configs(model)
     saved = [(config, config.__dict__.get("_attn_implementation_internal")) for config in configs]
