@@ -54,3 +54,13 @@ def smollm2():
 
     model, tokenizer = retrofit.load("smollm2-135m", dtype="float32", device="cpu")
     return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Run a module's small tensor ops on one thread: on a busy 2-core machine OpenMP's barriers make two
+    threads ~10x slower than one for these shapes (measured: a tiny conversion took 91 s with 2 threads, 6 s with 1)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -28,14 +28,7 @@ PROMPT = ("It was the best of times, it was the worst of times, it was the age o
 SMALL = dict(tokens=2048, seq_len=64, batch_size=4, stage1_fraction=0.5, checkpoint_every=0)  # 4 align + 4 distill steps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Run this module's small tensor ops on one thread: on a busy 2-core machine OpenMP's barriers make two
-    threads ~10x slower than one for these shapes (measured: a tiny conversion took 91 s with 2 threads, 6 s with 1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="session")

@@ -12,14 +12,7 @@ from retrofit.errors import RetrofitError
 from retrofit.select import choose, layer_count, parse_layer_spec, ranking_table, score_layers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Run this module's small tensor ops on one thread: on a busy 2-core machine OpenMP's barriers make two
-    threads ~10x slower than one for these shapes (measured: a tiny conversion took 91 s with 2 threads, 6 s with 1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.mark.parametrize("spec, expected", [

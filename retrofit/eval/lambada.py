@@ -5,13 +5,12 @@ and ``ppl`` = exp(mean over items of the continuation's negative log-likelihood)
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrofit.errors import RetrofitError
 from retrofit.eval.loglikelihood import Throughput, encode_pair, score_requests
+from retrofit.eval.records import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -22,21 +21,8 @@ class LambadaItem:
 
 def load_lambada(path: Path, limit: int | None = None) -> list[LambadaItem]:
     """Items of a LAMBADA-format jsonl file."""
-    if not path.is_file():
-        raise RetrofitError(f"data file not found: {path}")
-    items = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and len(items) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                items.append(LambadaItem(record["context"], record["continuation"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise RetrofitError(f'{path}:{number}: not a {{"context", "continuation"}} record ({error})') from None
-    return items
+    return read_jsonl(path, lambda record: LambadaItem(record["context"], record["continuation"]),
+                      '{"context", "continuation"}', limit)
 
 
 def evaluate_lambada(model, tokenizer, items: list[LambadaItem], batch_size: int = 8, desc: str = "lambada",

@@ -8,11 +8,11 @@ score / character length of the continuation (``len(" " + choice)``). Ties go to
 from __future__ import annotations
 
 import bz2
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from retrofit.errors import RetrofitError
+from retrofit.eval.records import read_jsonl
 from retrofit.eval.loglikelihood import Request, Score, Throughput, encode_pair, score_requests
 
 
@@ -25,31 +25,19 @@ class MultipleChoiceItem:
     gold: int
 
 
-def _check_item(item: MultipleChoiceItem, where: str) -> MultipleChoiceItem:
+def _checked(item: MultipleChoiceItem) -> MultipleChoiceItem:
     if len(item.choices) < 2 or not 0 <= item.gold < len(item.choices):
-        raise RetrofitError(f"{where}: need >= 2 choices and 0 <= gold < number of choices")
+        raise ValueError("need >= 2 choices and 0 <= gold < number of choices")
     return item
+
+
+def _item_from_record(record: dict) -> MultipleChoiceItem:
+    return _checked(MultipleChoiceItem(record["query"], tuple(record["choices"]), int(record["gold"])))
 
 
 def load_jsonl(path: Path, limit: int | None = None) -> list[MultipleChoiceItem]:
     """Items of a jsonl file with one ``{"query": str, "choices": [str, ...], "gold": int}`` per line."""
-    if not path.is_file():
-        raise RetrofitError(f"data file not found: {path}")
-    items = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and len(items) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                item = MultipleChoiceItem(record["query"], tuple(record["choices"]), int(record["gold"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-                raise RetrofitError(f"{path}:{number}: not a multiple-choice record "
-                                    f'{{"query", "choices", "gold"}} ({error})') from None
-            items.append(_check_item(item, f"{path}:{number}"))
-    return items
+    return read_jsonl(path, _item_from_record, 'multiple-choice {"query", "choices", "gold"}', limit)
 
 
 def load_hellaswag(path: Path, limit: int | None = None) -> list[MultipleChoiceItem]:
@@ -72,8 +60,10 @@ def load_hellaswag(path: Path, limit: int | None = None) -> list[MultipleChoiceI
             gold = int(lines[start + 1])
         except ValueError:
             raise RetrofitError(f"{path}:{start + 2}: expected the gold index, got {lines[start + 1]!r}") from None
-        items.append(_check_item(MultipleChoiceItem(lines[start], tuple(lines[start + 2:start + 6]), gold),
-                                 f"{path}:{start + 1}"))
+        try:
+            items.append(_checked(MultipleChoiceItem(lines[start], tuple(lines[start + 2:start + 6]), gold)))
+        except ValueError as error:
+            raise RetrofitError(f"{path}:{start + 1}: {error}") from None
     return items
 
 
