@@ -263,7 +263,9 @@ def test_ddp_two_processes_match_one_process(smollm2, calib_data_dir, tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(port), "-m", "retrofit.convert.command", "convert", "smollm2-135m", *common,
          "--batch-size", "1", "--out", str(tmp_path / "two")],
-        capture_output=True, text=True, env=env, timeout=600)
+        # Not from the repository root: there `python -m` would put the source tree's top-level `kernels/` folder on
+        # sys.path, where transformers' probe for Hugging Face's `kernels` package would find it.
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     one = load_file(tmp_path / "one" / "model.safetensors")
     two = load_file(tmp_path / "two" / "model.safetensors")

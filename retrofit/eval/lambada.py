@@ -22,7 +22,7 @@ class LambadaItem:
 def load_lambada(path: Path, limit: int | None = None) -> list[LambadaItem]:
     """Items of a LAMBADA-format jsonl file."""
     return read_jsonl(path, lambda record: LambadaItem(record["context"], record["continuation"]),
-                      '{"context", "continuation"}', limit)
+                      "LAMBADA", '{"context", "continuation"}', limit)
 
 
 def evaluate_lambada(model, tokenizer, items: list[LambadaItem], batch_size: int = 8, desc: str = "lambada",

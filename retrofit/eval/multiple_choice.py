@@ -37,7 +37,7 @@ def _item_from_record(record: dict) -> MultipleChoiceItem:
 
 def load_jsonl(path: Path, limit: int | None = None) -> list[MultipleChoiceItem]:
     """Items of a jsonl file with one ``{"query": str, "choices": [str, ...], "gold": int}`` per line."""
-    return read_jsonl(path, _item_from_record, 'multiple-choice {"query", "choices", "gold"}', limit)
+    return read_jsonl(path, _item_from_record, "multiple-choice", '{"query", "choices", "gold"}', limit)
 
 
 def load_hellaswag(path: Path, limit: int | None = None) -> list[MultipleChoiceItem]:

@@ -10,11 +10,12 @@ from retrofit.errors import RetrofitError
 Item = TypeVar("Item")
 
 
-def read_jsonl(path: Path, build: Callable[[dict[str, Any]], Item], what: str, limit: int | None = None) -> list[Item]:
+def read_jsonl(path: Path, build: Callable[[dict[str, Any]], Item], what: str, fields: str,
+               limit: int | None = None) -> list[Item]:
     """``build(record)`` for the first ``limit`` non-empty lines of ``path``.
 
     ``build`` raises KeyError, TypeError or ValueError for a record that does not fit; that becomes a
-    :class:`RetrofitError` ``"PATH:LINE: not a WHAT record (reason)"``.
+    :class:`RetrofitError` ``"PATH:LINE: not a WHAT record FIELDS (reason)"``.
     """
     if not path.is_file():
         raise RetrofitError(f"data file not found: {path}")
@@ -28,5 +29,5 @@ def read_jsonl(path: Path, build: Callable[[dict[str, Any]], Item], what: str, l
             try:
                 items.append(build(json.loads(line)))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-                raise RetrofitError(f"{path}:{number}: not a {what} record ({error})") from None
+                raise RetrofitError(f"{path}:{number}: not a {what} record {fields} ({error})") from None
     return items
