@@ -1,5 +1,6 @@
-"""Which layers to convert: an explicit list (``0,2,4`` or ``3-6``), every k-th layer (``every:4``), or a scored
-fraction (``fraction:0.5``).
+"""Which layers to convert: an explicit list (``0,2,4`` or ``3-6``), every k-th layer (``every:4``), the complement
+of either (``not:every:4``: all layers but every 4th, i.e. 3 of 4 layers converted), or a scored fraction
+(``fraction:0.5``).
 
 The scored selector ranks layers by what converting each one alone costs the whole model: every layer gets a GDN/KDA
 replacement initialised from its attention and briefly aligned to that attention's output (all layers at once, from
@@ -20,7 +21,8 @@ from retrofit.errors import RetrofitError
 
 @dataclass
 class LayerSpec:
-    """A parsed ``--layers`` value: ``explicit`` indices, ``every`` k (offset), or a scored ``fraction``."""
+    """A parsed ``--layers`` value: ``explicit`` indices, ``every`` k (offset), their ``complement`` (indices), or a
+    scored ``fraction``."""
 
     kind: str
     indices: tuple[int, ...] = ()
@@ -34,14 +36,18 @@ class LayerSpec:
 
 
 def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
-    """Parse ``0,2,4`` / ``3-6`` / ``every:K[:OFFSET]`` / ``fraction:F``, raising RetrofitError on bad input.
+    """Parse ``0,2,4`` / ``3-6`` / ``every:K[:OFFSET]`` / ``not:SPEC`` / ``fraction:F``, raising RetrofitError on
+    bad input.
 
     ``every:K`` converts layers K-1, 2K-1, ... (every K-th layer counting from 1, so layer 0 stays dense);
-    ``every:K:OFFSET`` starts at OFFSET instead.
+    ``every:K:OFFSET`` starts at OFFSET instead. ``not:SPEC`` converts every layer that the list or ``every`` SPEC
+    does not name: ``not:every:4`` keeps layers 3, 7, 11, ... softmax and converts the other three in four.
     """
     text = str(spec).strip().replace(" ", "")
     if not text:
-        raise RetrofitError("--layers is empty; use e.g. 0,2,4 or every:4 or fraction:0.5")
+        raise RetrofitError("--layers is empty; use e.g. 0,2,4 or every:4 or not:every:4 or fraction:0.5")
+    if text.startswith("not:"):
+        return _complement(spec, text[len("not:"):], num_layers)
     if text.startswith("every:"):
         parts = text.split(":")
         try:
@@ -63,7 +69,8 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
             raise RetrofitError(f"bad --layers {spec!r}: the fraction must be in (0, 1]")
         return LayerSpec("fraction", fraction=fraction)
     if not re.fullmatch(r"[0-9,\-]+", text):
-        raise RetrofitError(f"bad --layers {spec!r}: use a list like 0,2,4 (ranges 3-6 allowed), every:K or fraction:F")
+        raise RetrofitError(f"bad --layers {spec!r}: use a list like 0,2,4 (ranges 3-6 allowed), every:K, not:SPEC "
+                            "or fraction:F")
     indices: list[int] = []
     for part in filter(None, text.split(",")):
         if "-" in part:
@@ -79,6 +86,19 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     if not indices:
         raise RetrofitError(f"bad --layers {spec!r}: no layer index in it")
     return LayerSpec("explicit", tuple(sorted(set(indices))))
+
+
+def _complement(spec: str, inner: str, num_layers: int) -> LayerSpec:
+    """``not:INNER``: the layers of ``0..num_layers-1`` that the list or ``every`` spec INNER leaves out."""
+    if not inner:
+        raise RetrofitError(f"bad --layers {spec!r}: expected not:SPEC, e.g. not:every:4 or not:0,5")
+    if inner.startswith(("not:", "fraction:")):
+        raise RetrofitError(f"bad --layers {spec!r}: in not:SPEC, SPEC must be a list or every:K, got {inner!r}")
+    excluded = set(parse_layer_spec(inner, num_layers).indices)
+    kept = tuple(i for i in range(num_layers) if i not in excluded)
+    if not kept:
+        raise RetrofitError(f"bad --layers {spec!r}: it leaves no layer to convert (the model has {num_layers})")
+    return LayerSpec("complement", kept)
 
 
 def layer_count(fraction: float, num_layers: int) -> int:

@@ -1,7 +1,11 @@
-"""`retrofit bench`: published model shapes, exact cache bytes, a real peak-memory probe, and the CLI."""
+"""`retrofit bench`: published model shapes, exact cache bytes (dense and converted in memory), a real peak-memory
+probe, and the CLI."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -9,8 +13,10 @@ from click.testing import CliRunner
 
 from retrofit._entry import cli_module
 from retrofit.bench.configs import build_random_model
-from retrofit.bench.measure import measure_point
+from retrofit.bench.measure import measure_point, run_bench
 from retrofit.bench.memory import MemoryProbe, tensor_bytes
+from retrofit.errors import RetrofitError
+from retrofit.eval.variants import Variant, parse_variant_spec
 
 
 def run(*args: str):
@@ -82,6 +88,147 @@ def test_bench_context_over_limit_is_one_line_error():
 def test_bench_unknown_layers_for_a_model_path(tmp_path):
     result = run("bench", "smollm2-135m", "--layers", "99", "--context", "64", "--device", "cpu")
     assert result.exit_code == 2 and "--layers must be in 1..30" in result.stderr
+
+
+def hybrid_cache_bytes(batch: int, tokens: int, dtype_bytes: int, kv_layers: int, gdn_layers: int, q_heads: int,
+                       kv_heads: int, head_dim: int, conv_size: int = 4) -> int:
+    """What a hybrid's generation cache must hold, by arithmetic: each softmax layer keeps K and V
+    ``[B, H_kv, tokens, D]`` in the model dtype; each GDN layer keeps a conv state ``[B, (H_q + 2 H_kv) D, W - 1]``
+    in the model dtype and a recurrent state ``[B, H_kv, D, D]`` in float32, whatever the prompt length."""
+    kv = kv_layers * 2 * batch * kv_heads * tokens * head_dim * dtype_bytes
+    conv = batch * (q_heads + 2 * kv_heads) * head_dim * (conv_size - 1) * dtype_bytes
+    recurrent = batch * kv_heads * head_dim * head_dim * 4
+    return kv + gdn_layers * (conv + recurrent)
+
+
+def test_converted_cache_bytes_are_one_kv_layer_plus_three_states():
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=4)
+    variant = parse_variant_spec("convert:gdn:not:every:4")
+    assert variant.describe(model)["converted_layers"] == [0, 1, 2]
+    with variant.open(model, None) as hybrid:
+        point = measure_point(hybrid, variant.name, context=40, batch=3, decode_tokens=3)
+    # SmolLM2: 9 q heads, 3 kv heads, head dim 64; layer 3 softmax over 40 prompt + 3 fed-back tokens, layers 0-2 GDN:
+    # 3 x (conv 3 x 960 x 3 + recurrent 3 x 3 x 64 x 64) float32 values; equality: the cache holds nothing else
+    assert point.cache_bytes == hybrid_cache_bytes(3, 40 + 3, 4, kv_layers=1, gdn_layers=3, q_heads=9, kv_heads=3,
+                                                   head_dim=64)
+    assert point.cache_bytes == 2 * 3 * 3 * 43 * 64 * 4 + 3 * (3 * 960 * 3 * 4 + 3 * 3 * 64 * 64 * 4)
+
+
+def test_converted_states_do_not_grow_with_the_prompt():
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=4)
+    variant = parse_variant_spec("convert:gdn:0-2")
+    with variant.open(model, None) as hybrid:
+        short = measure_point(hybrid, variant.name, context=16, batch=2, decode_tokens=2).cache_bytes
+        long = measure_point(hybrid, variant.name, context=96, batch=2, decode_tokens=2).cache_bytes
+    # 80 more prompt tokens grow only the one softmax layer's K and V (batch 2, 3 kv heads, dim 64, float32)
+    assert long - short == 2 * 2 * 3 * 80 * 64 * 4
+
+
+def test_convert_variant_shares_weights_leaves_dense_intact_and_is_released():
+    from retrofit.layers import GatedDeltaNetAttention
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=4)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with parse_variant_spec("convert:gdn:not:every:4").open(model, None) as hybrid:
+        released = weakref.ref(hybrid)
+        kinds = [type(layer.self_attn) for layer in hybrid.model.layers]
+        assert kinds[:3] == [GatedDeltaNetAttention] * 3 and kinds[3] is type(model.model.layers[3].self_attn)
+        dense_layers, hybrid_layers = model.model.layers, hybrid.model.layers
+        # no copy of the weights the conversion keeps: same storage as the dense model
+        assert hybrid.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert hybrid_layers[0].mlp.down_proj.weight.data_ptr() == dense_layers[0].mlp.down_proj.weight.data_ptr()
+        assert hybrid_layers[3].self_attn.k_proj.weight.data_ptr() == dense_layers[3].self_attn.k_proj.weight.data_ptr()
+        # converted layers start from (a copy of) the attention weights
+        assert torch.equal(hybrid_layers[1].self_attn.q_proj.weight, dense_layers[1].self_attn.q_proj.weight)
+        assert hybrid_layers[1].self_attn.q_proj.weight.data_ptr() != dense_layers[1].self_attn.q_proj.weight.data_ptr()
+        assert next(hybrid.model.layers[0].self_attn.parameters()).dtype == torch.float32
+        del hybrid, kinds, hybrid_layers
+    gc.collect()
+    assert released() is None  # nothing keeps the converted model alive after the variant closes
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_run_bench_releases_each_variant_before_the_next_opens():
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=2)
+    opened: list[weakref.ref] = []
+    alive_at_open: list[list[bool]] = []
+
+    def tracked(spec: str) -> Variant:
+        inner = parse_variant_spec(spec)
+
+        @contextlib.contextmanager
+        def opener(dense, tokenizer):
+            alive_at_open.append([ref() is not None for ref in opened])
+            with inner.open(dense, tokenizer) as hybrid:
+                opened.append(weakref.ref(hybrid))
+                yield hybrid
+
+        return Variant(inner.name, opener)
+
+    points = run_bench(model, [tracked("convert:gdn:0"), tracked("convert:gdn:1")], None, [16], [1], 1)
+    assert [p.variant for p in points] == ["dense", "convert:gdn:0", "convert:gdn:1"]
+    # when the second converted model is built, the first one (its new layers) is already gone
+    assert alive_at_open == [[], [False]]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("convert:gdn", "expected convert:KIND:LAYERS"),
+    ("convert:mamba:every:4", "unknown layer type 'mamba'"),
+], ids=["no-layers", "bad-kind"])
+def test_bad_convert_specs_fail_at_parse_time(spec, message):
+    with pytest.raises(RetrofitError, match=message):
+        parse_variant_spec(spec)
+
+
+@pytest.mark.parametrize("layers, message", [
+    ("0,9", "layer index 9 is out of range: the model has 4 layers"),
+    ("fraction:0.5", "a scored fraction needs calibration data"),
+    ("not:0-3", "leaves no layer to convert"),
+], ids=["out-of-range", "fraction", "nothing-left"])
+def test_bench_bad_convert_layers_fail_before_any_measurement(layers, message):
+    result = run("bench", "smollm2-135m", "--layers", "4", "--context", "16", "--device", "cpu",
+                 "--variant", f"convert:gdn:{layers}")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+    assert "| dense |" not in result.stdout  # the dense model was not measured first
+
+
+def test_bench_cli_dense_and_converted_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "smollm2-135m", "--layers", "4", "--context", "32,64", "--batch", "1,2",
+                 "--decode-tokens", "2", "--device", "cpu", "--variant", "convert:gdn:not:every:4",
+                 "--json", str(out))
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    points = {(p["variant"], p["context"], p["batch"]): p for p in payload["results"]}
+    name = "convert:gdn:not:every:4"
+    assert [p["variant"] for p in payload["results"]] == ["dense"] * 4 + [name] * 4
+    assert payload["config"]["variant_details"] == {
+        name: {"layer_type": "gdn", "converted_layers": [0, 1, 2], "num_layers": 4}}
+    for context in (32, 64):
+        for batch in (1, 2):
+            dense, hybrid = points[("dense", context, batch)], points[(name, context, batch)]
+            assert dense["error"] is None and hybrid["error"] is None
+            assert dense["cache_bytes"] == 4 * 2 * batch * 3 * (context + 2) * 64 * 4
+            assert hybrid["cache_bytes"] == hybrid_cache_bytes(batch, context + 2, 4, kv_layers=1, gdn_layers=3,
+                                                               q_heads=9, kv_heads=3, head_dim=64)
+            assert hybrid["prefill_s"] > 0 and hybrid["decode_tokens_per_s"] > 0
+    lines = result.stdout.splitlines()
+    assert len([line for line in lines if line.startswith(f"| {name} |")]) == 4
+    assert f"{name}: gdn in 3 of 4 layers (0-2); softmax attention in 3." in lines
+
+
+@pytest.mark.gpu
+def test_gpu_converted_cache_bytes_in_bfloat16():
+    """bf16 on CUDA (Triton kernels): KV and conv states in bf16, the recurrent state in float32."""
+    model = build_random_model("llama3-8b", torch.bfloat16, torch.device("cuda"), layers=4)
+    with parse_variant_spec("convert:gdn:not:every:4").open(model, None) as hybrid:
+        point = measure_point(hybrid, "convert", context=4096, batch=2, decode_tokens=4)
+    # Llama-3-8B: 32 q heads, 8 kv heads, head dim 128; layer 3 softmax over 4096 + 4 tokens, layers 0-2 GDN
+    assert point.cache_bytes == hybrid_cache_bytes(2, 4096 + 4, 2, kv_layers=1, gdn_layers=3, q_heads=32, kv_heads=8,
+                                                   head_dim=128)
+    assert point.peak_delta_bytes >= point.cache_bytes
 
 
 @pytest.mark.gpu

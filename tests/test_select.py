@@ -22,7 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
     ("every:4", (3, 7, 11, 15, 19, 23, 27)),
     ("every:4:0", (0, 4, 8, 12, 16, 20, 24, 28)),
     ("every:2", tuple(range(1, 30, 2))),
-], ids=["list", "unsorted-dupes", "range", "every4", "every4-offset0", "every2"])
+    # not:SPEC = the layers SPEC leaves out: 3 of every 4 layers, every 4th (3, 7, ...) kept softmax
+    ("not:every:4", tuple(i for i in range(30) if i % 4 != 3)),
+    ("not:every:4:0", tuple(i for i in range(30) if i % 4 != 0)),
+    ("not:0,29", tuple(range(1, 29))),
+    ("not: 3-27", (0, 1, 2, 28, 29)),
+], ids=["list", "unsorted-dupes", "range", "every4", "every4-offset0", "every2", "not-every4", "not-every4-offset0",
+        "not-list", "not-range-with-space"])
 def test_explicit_and_every_specs(spec, expected):
     parsed = parse_layer_spec(spec, 30)
     assert parsed.indices == expected and not parsed.needs_scoring
@@ -37,10 +43,35 @@ def test_explicit_and_every_specs(spec, expected):
     ("fraction:abc", "expected fraction:F"),
     ("layers 1 2", "use a list like"),
     ("6-3", "bad range"),
-], ids=["out-of-range", "empty", "every0", "every-nan", "fraction-big", "fraction-nan", "words", "reversed-range"])
+    ("not:", "expected not:SPEC"),
+    ("not:fraction:0.5", "SPEC must be a list or every:K"),
+    ("not:not:3", "SPEC must be a list or every:K"),
+    ("not:0-29", "leaves no layer to convert"),
+    ("not:every:1", "leaves no layer to convert"),
+    ("not:every:0", "K must be >= 1"),
+    ("not:30", "layer index 30 is out of range"),
+], ids=["out-of-range", "empty", "every0", "every-nan", "fraction-big", "fraction-nan", "words", "reversed-range",
+        "not-empty", "not-fraction", "not-not", "not-everything", "not-every1", "not-every0", "not-out-of-range"])
 def test_bad_specs_raise_retrofit_error(spec, message):
-    with pytest.raises(RetrofitError, match=message):
+    with pytest.raises(RetrofitError, match=message) as raised:
         parse_layer_spec(spec, 30)
+    assert "\n" not in str(raised.value)  # the CLI prints it as one line
+
+
+@pytest.mark.parametrize("num_layers, inner", [(4, "every:4"), (7, "every:2:1"), (32, "every:4"), (5, "0"),
+                                               (9, "2-4,8")])
+def test_complement_is_exactly_what_the_spec_leaves_out(num_layers, inner):
+    named = set(parse_layer_spec(inner, num_layers).indices)
+    complement = parse_layer_spec(f"not:{inner}", num_layers)
+    assert set(complement.indices) == set(range(num_layers)) - named
+    assert list(complement.indices) == sorted(complement.indices)
+    assert complement.kind == "complement" and not complement.needs_scoring
+
+
+def test_not_every_4_is_three_of_four_layers():
+    # the llama3-8b hybrid of issue #6: 24 of 32 layers converted, softmax attention kept at 3, 7, ..., 31
+    parsed = parse_layer_spec("not:every:4", 32)
+    assert len(parsed.indices) == 24 and set(range(3, 32, 4)).isdisjoint(parsed.indices)
 
 
 def test_fraction_counts():

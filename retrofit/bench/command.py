@@ -16,14 +16,22 @@ MODEL_OR_CONFIG: a model (directory, .gguf, hub id, alias smollm2-135m) or a con
   name built with random weights in the target dtype directly on the device:
   llama3-8b, qwen2.5-7b, smollm2-135m  (--layers N keeps the first N layers)
 \b
-Variants (dense always runs first):
+Variants (dense always runs first, each variant after it; one model on the device at a time):
   --sparse quest --budget 1024 [--sparse-arg page_size=16]   (repeatable)
   --variant "quest:budget=1024,page_size=16"                  (repeatable)
   --hybrid DIR                                                (repeatable)
+  --variant convert:KIND:LAYERS                               (repeatable)
+      converts the benched model in memory (no checkpoint, no distillation: for speed and memory only):
+      KIND gdn or kda; LAYERS 0,2,4 | 3-6 | every:K[:OFFSET] | not:SPEC (every layer SPEC leaves out),
+      e.g. convert:gdn:not:every:4 = 3 of 4 layers GDN, every 4th layer (3, 7, ...) softmax.
+      Weights other than the new layers are shared with the dense model, and freed after the variant.
 \b
 Examples:
   retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 --json bench.json
-  retrofit bench smollm2-135m --layers 4 --context 256,512 --batch 1,2 --decode-tokens 8
+  retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 \\
+      --variant convert:gdn:not:every:4 --json bench_hybrid.json
+  retrofit bench smollm2-135m --layers 4 --context 256,512 --batch 1,2 --decode-tokens 8 \\
+      --variant convert:gdn:not:every:4
 """
 
 
@@ -40,7 +48,8 @@ Examples:
 @click.option("--budget", "budgets", multiple=True, type=int, metavar="N", help="Token budget (repeatable).")
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="KEY=VALUE", help="Extra sparse keyword.")
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
-@click.option("--variant", "variant_specs", multiple=True, metavar="SPEC", help="Variant spec string (repeatable).")
+@click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
+              help="Variant spec (repeatable): METHOD:budget=N[,key=value...], hybrid:DIR or convert:KIND:LAYERS.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
@@ -48,7 +57,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
                   json_path: Path | None) -> None:
     from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
     from retrofit.bench.measure import run_bench
-    from retrofit.bench.report import markdown_table
+    from retrofit.bench.report import markdown_table, variant_notes
     from retrofit.eval.command import default_dtype, library_versions, parse_lengths
     from retrofit.eval.loglikelihood import max_model_length
     from retrofit.eval.runner import write_json_atomic
@@ -73,6 +82,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
         model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
         source = model_or_config
     build_seconds = time.perf_counter() - built
+    details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run
     limit = max_model_length(model)
     for context in context_list:
         if context + decode_tokens + 1 > limit:
@@ -83,11 +93,13 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
               "contexts": context_list, "batches": batch_list, "decode_tokens": decode_tokens,
               "device": str(torch_device), "dtype": dtype, "build_seconds": build_seconds,
               "parameters": sum(p.numel() for p in model.parameters()),
-              "variants": ["dense"] + [variant.name for variant in variants], "versions": library_versions()}
+              "variants": ["dense"] + [variant.name for variant in variants],
+              "variant_details": {name: facts for name, facts in details.items() if facts},
+              "versions": library_versions()}
     if torch_device.type == "cuda":
         import torch
 
         config["gpu"] = torch.cuda.get_device_name(torch_device)
     if json_path is not None:
         write_json_atomic(json_path, {"results": [point.to_json() for point in points], "config": config})
-    click.echo(markdown_table(points))
+    click.echo(markdown_table(points, variant_notes(details)))

@@ -7,6 +7,7 @@ stamps the time after every step (after a device synchronize): the first stamp e
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import asdict, dataclass
 
@@ -105,22 +106,35 @@ def warm_up(model) -> None:
 
 def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int], decode_tokens: int
               ) -> list[BenchPoint]:
-    """Every (variant, context, batch) point, dense first; an out-of-memory point is recorded, not fatal."""
+    """Every (variant, context, batch) point, dense first; an out-of-memory point is recorded, not fatal.
+
+    Variants run one at a time: whatever a variant built (a converted model's new layers) is released, and on CUDA
+    the allocator's cache emptied, before the next one opens."""
     from retrofit.eval.variants import dense
 
     points = []
     device = next(model.parameters()).device
     for variant in [dense(), *variants]:
-        with variant.open(model, tokenizer) as measured:
-            warm_up(measured)
-            for context in contexts:
-                for batch in batches:
-                    try:
-                        points.append(measure_point(measured, variant.name, context, batch, decode_tokens))
-                    except torch.OutOfMemoryError as error:
-                        points.append(failed_point(variant.name, context, batch, decode_tokens,
-                                                   f"out of memory: {str(error).splitlines()[0][:120]}"))
-                    finally:
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
+        points += _measure_variant(model, variant, tokenizer, contexts, batches, decode_tokens, device)
+        gc.collect()  # the variant's model is unreachable once _measure_variant returned
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return points
+
+
+def _measure_variant(model, variant, tokenizer, contexts: list[int], batches: list[int], decode_tokens: int,
+                     device: torch.device) -> list[BenchPoint]:
+    points = []
+    with variant.open(model, tokenizer) as measured:
+        warm_up(measured)
+        for context in contexts:
+            for batch in batches:
+                try:
+                    points.append(measure_point(measured, variant.name, context, batch, decode_tokens))
+                except torch.OutOfMemoryError as error:
+                    points.append(failed_point(variant.name, context, batch, decode_tokens,
+                                               f"out of memory: {str(error).splitlines()[0][:120]}"))
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     return points

@@ -13,9 +13,35 @@ def _context(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
-def markdown_table(points: list[BenchPoint]) -> str:
+def variant_notes(details: dict[str, dict]) -> list[str]:
+    """One line per variant that converts layers: which layers of how many, e.g.
+    ``convert:gdn:not:every:4: gdn in 24 of 32 layers (0-2, 4-6, ...); softmax attention in 3, 7, ...``."""
+    notes = []
+    for name, facts in details.items():
+        if "converted_layers" not in facts:
+            continue
+        converted, total = facts["converted_layers"], facts["num_layers"]
+        kept = [i for i in range(total) if i not in set(converted)]
+        notes.append(f"{name}: {facts['layer_type']} in {len(converted)} of {total} layers "
+                     f"({_layer_list(converted)}); softmax attention in {_layer_list(kept) or 'none'}.")
+    return notes
+
+
+def _layer_list(indices: list[int]) -> str:
+    """``[0, 1, 2, 4, 5, 6]`` -> ``0-2, 4-6``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def markdown_table(points: list[BenchPoint], notes: list[str] | None = None) -> str:
     """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token and tokens/s (with the
-    speed-up over dense at the same point), peak memory, its rise over the start, and cache MiB."""
+    speed-up over dense at the same point), peak memory, its rise over the start, and cache MiB; then a legend
+    and ``notes`` (one line each)."""
     dense = {(p.context, p.batch): p for p in points if p.variant == "dense"}
     lines = ["| variant | context | batch | prefill s | prefill tok/s | decode ms/tok | decode tok/s | "
              "vs dense | peak GiB | Δpeak GiB | cache MiB |",
@@ -36,4 +62,5 @@ def markdown_table(points: list[BenchPoint]) -> str:
     lines.append("")
     lines.append(f"peak = highest {memory_kind} bytes during prefill+decode; Δpeak = peak minus the bytes in use "
                  "before it (weights); cache = bytes held by the returned KV/state cache.")
+    lines.extend(notes or [])
     return "\n".join(lines)

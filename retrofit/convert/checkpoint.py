@@ -48,9 +48,47 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: FSDP's sharded DTensors are all-gathered (a collective: every rank must call this)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Name -> tensor (CPU copy) of every parameter that requires grad."""
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+    """Name -> tensor (CPU copy) of every parameter that requires grad; FSDP-sharded parameters come back full, so
+    the state is the same for any world size (then every rank must call this)."""
+    return {name: _full(p.detach()).cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with FSDP-sharded state tensors (AdamW moments) all-gathered to full CPU tensors:
+    the layout a one-process run saves. A collective under FSDP: every rank must call this."""
+    state = optimizer.state_dict()
+    return {**state, "state": {index: {key: _full(value).cpu().clone() if torch.is_tensor(value) else value
+                                       for key, value in entry.items()}
+                               for index, entry in state["state"].items()}}
+
+
+def load_sharded_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a :func:`full_optimizer_state` into an optimizer over FSDP-sharded parameters: each full state tensor
+    shaped like its parameter is sharded like that parameter (a collective: every rank must call this)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    indices = [i for group in state["param_groups"] for i in group["params"]]
+    if len(params) != len(indices):
+        raise RetrofitError("the checkpoint's optimizer state does not fit this run; start again without --resume")
+    by_index = dict(zip(indices, params))
+    sharded = {}
+    for index, entry in state["state"].items():
+        param = by_index[index]
+        sharded[index] = {}
+        for key, value in entry.items():
+            if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+                value = distribute_tensor(value.detach().to(param.device), param.device_mesh, param.placements)
+            sharded[index][key] = value
+    optimizer.load_state_dict({**state, "state": sharded})
 
 
 def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

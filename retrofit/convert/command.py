@@ -10,6 +10,7 @@ Examples:
   retrofit convert smollm2-135m --recipe smollm2-135m/cpu-small --data ../shared/data/calib --out hyb/
   retrofit convert smollm2-135m --recipe recipes/smollm2-135m/gdn-8of30.yaml --data calib/ --out hyb/ --resume
   torchrun --nproc-per-node 2 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O
+  torchrun --nproc-per-node 8 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O --parallel fsdp
 """
 
 
@@ -33,6 +34,9 @@ Examples:
 @click.option("--ce-weight", type=float, default=None, help="Weight of the cross-entropy added to the KL loss.")
 @click.option("--checkpoint-every", type=int, default=None, help="Optimizer steps between training checkpoints.")
 @click.option("--seed", type=int, default=None, help="Seed of data order and LoRA init.")
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
+              help="Engine under torchrun: ddp (default) or fsdp (FSDP2: trained parameters, gradients and optimizer "
+                   "state sharded across processes).")
 @click.option("--resume", is_flag=True, help="Continue from the last training checkpoint of this --out.")
 @click.option("--max-minutes", type=float, default=None,
               help="Checkpoint and stop after this many minutes (exit code 3); rerun with --resume to continue.")
@@ -40,8 +44,8 @@ Examples:
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch_size, grad_accum, stage1_fraction,
-                    lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, resume, max_minutes,
-                    overwrite, device, quiet):
+                    lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, parallel, resume,
+                    max_minutes, overwrite, device, quiet):
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
 
@@ -54,7 +58,8 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
                        max_minutes=max_minutes, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                        stage1_fraction=stage1_fraction, lr_stage1=lr_stage1, lr_stage2=lr_stage2, lr_lora=lr_lora,
-                       lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed)
+                       lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
+                       parallel=parallel)
     except TrainingPaused as paused:
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)

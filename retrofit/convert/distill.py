@@ -6,12 +6,20 @@ once. Stage 2 (end to end): the hybrid is trained against the dense model's logi
 remaining attention and MLP projections from the first converted layer on (peft) and the new layers trained
 fully; LoRA is merged at the end.
 
-Runs unchanged under ``torchrun`` (DDP: one process per GPU; batches sharded by rank; rank 0 saves). Checkpoints
+Runs unchanged under ``torchrun`` (one process per GPU; batches sharded by rank; rank 0 saves), with DDP
+(``parallel: ddp``, the default) or FSDP2 (``parallel: fsdp``: ``torch.distributed.fsdp.fully_shard``). Checkpoints
 every ``checkpoint_every`` steps; a resumed run ends with the same weights as an uninterrupted one.
+
+FSDP trains a copy of the trained modules whose trainable parameters (new layers, LoRA) are sharded across ranks with
+their gradients and AdamW state; frozen weights are shared with the hybrid and stay replicated, like the dense
+teacher. Checkpoints hold full (unsharded) tensors in the layout of a one-process run, and at the end of each stage
+the full trained values are written back into the hybrid's own (plain) parameters, so LoRA merging and saving see
+ordinary tensors.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -22,6 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from retrofit.convert.checkpoint import (
+    full_optimizer_state,
+    load_sharded_optimizer_state,
     load_train_state,
     load_trainable_state,
     rng_state,
@@ -30,6 +40,8 @@ from retrofit.convert.checkpoint import (
     trainable_state,
 )
 from retrofit.convert.data import BatchSampler
+
+PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -56,6 +68,8 @@ class DistillConfig:
         checkpoint_every: optimizer steps between training checkpoints (0 = never).
         seed: seed of the data order and of the LoRA initialisation.
         bf16: bf16 autocast (None: on CUDA only).
+        parallel: multi-process engine under torchrun: ``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2
+            ``fully_shard``); ignored in a single process.
     """
 
     tokens: int = 2_000_000
@@ -77,6 +91,7 @@ class DistillConfig:
     checkpoint_every: int = 200
     seed: int = 0
     bf16: bool | None = None
+    parallel: str = "ddp"
 
     def __post_init__(self):
         positive = ("tokens", "seq_len", "batch_size", "grad_accum", "lora_alpha")
@@ -91,6 +106,8 @@ class DistillConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
             raise ValueError("lora_rank, checkpoint_every and ce_weight must be >= 0")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
         unknown = set(self.lora_target_groups()) - {"attention", "mlp"}
         if unknown:
             raise ValueError(f"lora_targets: unknown group(s) {', '.join(sorted(unknown))}; use attention, mlp")
@@ -320,6 +337,59 @@ class Distiller:
                                            rank=self.rank, world_size=self.world_size)
         return samplers[stage]
 
+    @property
+    def sharded(self) -> bool:
+        """Whether training runs under FSDP (``parallel: fsdp`` with more than one process)."""
+        return self.world_size > 1 and self.config.parallel == "fsdp"
+
+    def _prepare(self, stage: int, module: nn.Module, groups: list[dict], steps: int,
+                 make_root: Callable[[nn.Module], nn.Module], units: Callable[[nn.Module], list[nn.Module]]):
+        """Optimizer, resume point and the module to run for one stage.
+
+        ``module``: what checkpoints name (the aligner, or the peft model); ``groups``: its trainable parameters as
+        optimizer groups; ``make_root(module)``: the module whose forward a step calls; ``units(module)``: the
+        submodules FSDP shards one by one. Returns ``(root, checkpointed, params, opt, sched, start, finish)``;
+        ``finish()`` writes FSDP's trained values back into ``module`` (nothing to do without FSDP).
+        """
+        if not self.sharded:
+            params = [p for group in groups for p in group["params"]]
+            opt, sched = self._optimizer(groups, steps)
+            start = self._resume_point(stage, module, opt, sched)
+            return self._wrap(make_root(module)), module, params, opt, sched, start, lambda: None
+        from torch.distributed.fsdp import fully_shard
+
+        resuming = self.saved is not None and self.saved["stage"] == stage
+        if resuming:
+            load_trainable_state(module, self.saved["model"])
+        frozen = {p for p in module.parameters() if not p.requires_grad}
+        trained = copy.deepcopy(module, memo={id(p): p for p in frozen})  # frozen weights shared, not copied
+        root = make_root(trained)
+        for unit in units(trained):
+            if any(p.requires_grad for p in unit.parameters()):
+                fully_shard(unit, ignored_params={p for p in unit.parameters() if not p.requires_grad})
+        fully_shard(root, ignored_params={p for p in root.parameters() if not p.requires_grad})
+        names = {id(p): name for name, p in module.named_parameters()}
+        copies = dict(trained.named_parameters())
+        sharded_groups = [{**group, "params": [copies[names[id(p)]] for p in group["params"]]} for group in groups]
+        params = [p for group in sharded_groups for p in group["params"]]
+        opt, sched = self._optimizer(sharded_groups, steps)
+        start = 0
+        if resuming:
+            load_sharded_optimizer_state(opt, self.saved["optimizer"])
+            sched.load_state_dict(self.saved["scheduler"])
+            set_rng_state(self.saved["rng"])
+            start = int(self.saved["step"])
+
+        def finish() -> None:
+            """Full trained values (all-gathered on every rank) -> the plain parameters of ``module``."""
+            trained_values = trainable_state(trained)
+            originals = dict(module.named_parameters())
+            with torch.no_grad():
+                for name, value in trained_values.items():
+                    originals[name].copy_(value.to(originals[name].device))
+
+        return root, trained, params, opt, sched, start, finish
+
     def _wrap(self, module: nn.Module) -> nn.Module:
         if self.world_size == 1:
             return module
@@ -348,10 +418,14 @@ class Distiller:
     def _checkpoint(self, stage: int, next_step: int, module: nn.Module, opt, sched, force: bool = False) -> None:
         if self.config.checkpoint_every == 0 and not force:
             return
+        if self.sharded:  # gathering the full tensors is a collective: every rank takes part, rank 0 writes
+            model_state, optimizer_state = trainable_state(module), full_optimizer_state(opt)
         if self.rank == 0:
+            if not self.sharded:
+                model_state, optimizer_state = trainable_state(module), opt.state_dict()
             save_train_state(self.work_dir, {
                 "fingerprint": self.fingerprint, "stage": stage, "step": next_step,
-                "model": trainable_state(module), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "model": model_state, "optimizer": optimizer_state, "scheduler": sched.state_dict(),
                 "rng": rng_state()})
         _barrier()
 
@@ -426,9 +500,9 @@ class Distiller:
         aligner = LayerAligner(self.converted_layers()).train()
         aligner.requires_grad_(True)
         params = [p for p in aligner.parameters() if p.requires_grad]
-        opt, sched = self._optimizer([{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps)
-        start = self._resume_point(1, aligner, opt, sched)
-        wrapped = self._wrap(aligner)
+        wrapped, module, params, opt, sched, start, finish = self._prepare(
+            1, aligner, [{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps,
+            make_root=lambda m: m, units=lambda m: list(m.converted.values()))
         capture = AttentionCapture(self.dense, self.layers)
 
         def step_fn(batch):
@@ -437,9 +511,10 @@ class Distiller:
                 return wrapped(records)
 
         try:
-            self._loop(1, self.plan.stage1_steps, start, step_fn, params, opt, sched, aligner)
+            self._loop(1, self.plan.stage1_steps, start, step_fn, params, opt, sched, module)
         finally:
             capture.remove()
+        finish()
 
     def stage2(self) -> nn.Module:
         torch.manual_seed(self.config.seed + 2)  # LoRA init does not depend on how stage 1 went (resume-safe)
@@ -463,10 +538,14 @@ class Distiller:
         param_groups = [{"params": new_params, "lr": self.config.lr_stage2}]
         if lora_params:
             param_groups.append({"params": lora_params, "lr": self.config.lr_lora})
-        opt, sched = self._optimizer(param_groups, self.plan.stage2_steps)
-        start = self._resume_point(2, model, opt, sched)
         first = min(self.layers)
-        wrapped = self._wrap(StudentTail(self.hybrid, first))
+
+        def base(m: nn.Module) -> nn.Module:  # the hybrid inside a peft model
+            return m.get_base_model() if use_lora else m
+
+        wrapped, module, params, opt, sched, start, finish = self._prepare(
+            2, model, param_groups, self.plan.stage2_steps, make_root=lambda m: StudentTail(base(m), first),
+            units=lambda m: list(base(m).model.layers[first:]))
         capture = DecoderInputCapture(self.dense, first)
 
         def step_fn(batch):
@@ -482,9 +561,10 @@ class Distiller:
             return loss
 
         try:
-            self._loop(2, self.plan.stage2_steps, start, step_fn, new_params + lora_params, opt, sched, model)
+            self._loop(2, self.plan.stage2_steps, start, step_fn, params, opt, sched, module)
         finally:
             capture.remove()
+        finish()
         if use_lora:
             model = model.merge_and_unload()
         model.requires_grad_(False)

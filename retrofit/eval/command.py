@@ -102,7 +102,7 @@ def default_dtype(device: str) -> str:
               help="Extra keyword for the sparse method (repeatable).")
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
-              help='Variant spec: "METHOD:budget=N[,k=v...]", "hybrid:DIR" (repeatable).')
+              help='Variant spec: "METHOD:budget=N[,k=v...]", "hybrid:DIR", "convert:gdn|kda:LAYERS" (repeatable).')
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG chart here.")
 def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tuple[str, ...], limit: int | None,
@@ -130,6 +130,8 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
     dtype = dtype or default_dtype(device)
     began = time.perf_counter()
     loaded, tokenizer = load(model, dtype=dtype, device=device)
+    for variant in variants:
+        variant.describe(loaded)  # a bad variant (e.g. a layer out of range) fails before dense runs
     config = {"model": model, "tasks": task_names, "data_dir": str(data_dir) if data_dir else None,
               "task_files": {name: str(path) for name, path in settings.task_files.items()}, "limit": limit,
               "seq_len": seq_len, "context_lengths": list(settings.context_lengths), "seeds": settings.seeds,

@@ -3,10 +3,13 @@
 A :class:`Variant` has a ``name`` and ``open(model, tokenizer)``, a context manager yielding the model to
 evaluate (and undoing whatever it did on exit). Kinds are registered by name in :data:`VARIANT_KINDS` so later
 features plug in: ``dense`` (the model as given), ``sparse`` (``retrofit.sparse.sparse_decoding``), ``hybrid``
-(a checkpoint loaded with ``retrofit.load``).
+(a checkpoint loaded with ``retrofit.load``), ``convert`` (the model converted in memory, undistilled: for speed and
+memory, e.g. of a random-weight 8B hybrid that has no checkpoint).
 
-Spec strings (``--variant``): ``dense``; ``hybrid:DIR``; ``METHOD:budget=N[,key=value...]`` for sparse decoding,
-e.g. ``quest:budget=256,page_size=16`` (named ``quest@256,page_size=16``).
+Spec strings (``--variant``): ``dense``; ``hybrid:DIR``; ``convert:KIND:LAYERS`` (KIND gdn or kda, LAYERS a
+``--layers`` spec without scoring, e.g. ``convert:gdn:not:every:4`` = 3 of 4 layers GDN);
+``METHOD:budget=N[,key=value...]`` for sparse decoding, e.g. ``quest:budget=256,page_size=16`` (named
+``quest@256,page_size=16``).
 """
 from __future__ import annotations
 
@@ -22,13 +25,21 @@ from retrofit.registry import Registry
 
 @dataclass(frozen=True)
 class Variant:
-    """A named way of running the model; ``open(model, tokenizer)`` yields the model to evaluate."""
+    """A named way of running the model; ``open(model, tokenizer)`` yields the model to evaluate.
+
+    ``describer`` (optional) checks the variant against the dense model before anything runs (raising
+    RetrofitError) and returns facts worth recording, e.g. which layers a conversion replaces."""
 
     name: str
     opener: Callable[[object, object], ContextManager[object]]
+    describer: Callable[[object], dict] | None = None
 
     def open(self, model, tokenizer) -> ContextManager[object]:
         return self.opener(model, tokenizer)
+
+    def describe(self, model) -> dict:
+        """Validate against ``model`` (the dense model) -> facts about this variant on it ({} if none)."""
+        return self.describer(model) if self.describer is not None else {}
 
 
 VARIANT_KINDS: Registry[Callable[..., Variant]] = Registry("variant kind")
@@ -60,7 +71,11 @@ def _sparse_decoding():
 
 
 def format_params(params: dict[str, object]) -> str:
-    return ",".join(f"{key}={value}" for key, value in params.items())
+    """``k=v,...`` for a variant's column name; a file path shows as its file name to keep the table narrow."""
+    def shown(value: object) -> object:
+        return Path(value).name if isinstance(value, str) and "/" in value else value
+
+    return ",".join(f"{key}={shown(value)}" for key, value in params.items())
 
 
 @VARIANT_KINDS.register("sparse")
@@ -104,6 +119,60 @@ def hybrid(path: str) -> Variant:
     return Variant(f"hybrid:{directory.name}", opener)
 
 
+@VARIANT_KINDS.register("convert")
+def convert(layer_type: str, layers: str) -> Variant:
+    """The dense model with the ``layers`` (a ``--layers`` spec: list, ``every:K``, ``not:SPEC``) replaced by fresh
+    ``layer_type`` (gdn/kda) layers initialised from their attention weights, built in memory by
+    :func:`retrofit.convert.hybrid.to_hybrid` on the dense model's device and dtype.
+
+    The hybrid shares every other weight with the dense model (no copy), so only the new layers' weights are added;
+    they are released on exit (once the caller drops the yielded model). Nothing is distilled: the outputs are not
+    meaningful, the speed and memory are."""
+    from retrofit.convert.hybrid import LAYER_KINDS
+
+    layer_type, layers = layer_type.strip(), layers.strip().replace(" ", "")
+    if layer_type not in LAYER_KINDS:
+        raise RetrofitError(f"--variant convert:{layer_type}:{layers}: unknown layer type {layer_type!r}; "
+                            f"use one of {', '.join(LAYER_KINDS)}")
+    name = f"convert:{layer_type}:{layers}"
+
+    def converted_layers(model) -> list[int]:
+        from retrofit.convert.hybrid import SUPPORTED_BASES
+        from retrofit.select import parse_layer_spec
+
+        model_type = model.config.model_type
+        if model_type not in SUPPORTED_BASES:
+            raise RetrofitError(f"--variant {name}: a {model_type} model cannot be converted; supported: "
+                                f"{', '.join(SUPPORTED_BASES)}")
+        try:
+            parsed = parse_layer_spec(layers, model.config.num_hidden_layers)
+        except RetrofitError as error:
+            raise RetrofitError(f"--variant {name}: {error}") from None
+        if parsed.needs_scoring:
+            raise RetrofitError(f"--variant {name}: a scored fraction needs calibration data; name the layers "
+                                "(0,2,4, every:K or not:SPEC) or convert with `retrofit convert`")
+        return list(parsed.indices)
+
+    def describer(model) -> dict:
+        chosen = converted_layers(model)
+        return {"layer_type": layer_type, "converted_layers": chosen, "num_layers": model.config.num_hidden_layers}
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        from retrofit.convert.hybrid import HybridSection, to_hybrid
+
+        section = HybridSection(layers=converted_layers(model), layer_type=layer_type,
+                                base_model_type=model.config.model_type)
+        hybrid_model = to_hybrid(model, section, share_weights=True)
+        try:
+            yield hybrid_model
+        finally:  # the caller drops its reference too; then only the shared weights remain
+            del hybrid_model
+            gc.collect()
+
+    return Variant(name, opener, describer)
+
+
 def parse_value(text: str) -> object:
     """``"16"`` -> 16, ``"0.5"`` -> 0.5, ``"true"`` -> True, anything else stays a string."""
     lowered = text.lower()
@@ -129,7 +198,8 @@ def parse_key_values(pairs: list[str], option: str) -> dict[str, object]:
 
 
 def parse_variant_spec(spec: str) -> Variant:
-    """A ``--variant`` string: ``dense``, ``hybrid:DIR`` or ``METHOD:budget=N[,key=value...]``."""
+    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS`` or
+    ``METHOD:budget=N[,key=value...]``."""
     head, _, rest = spec.partition(":")
     head = head.strip()
     if head == "dense" and not rest:
@@ -138,6 +208,11 @@ def parse_variant_spec(spec: str) -> Variant:
         if not rest:
             raise RetrofitError(f"--variant {spec!r}: expected hybrid:DIR")
         return hybrid(rest)
+    if head == "convert":
+        layer_type, _, layers = rest.partition(":")
+        if not layer_type.strip() or not layers.strip():
+            raise RetrofitError(f"--variant {spec!r}: expected convert:KIND:LAYERS, e.g. convert:gdn:not:every:4")
+        return convert(layer_type, layers)
     if not head:
         raise RetrofitError(f"--variant {spec!r}: expected METHOD:budget=N[,key=value...]")
     params = parse_key_values([part for part in rest.split(",") if part.strip()], f"--variant {spec!r}")
