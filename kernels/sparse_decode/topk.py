@@ -28,6 +28,17 @@ def _order_key(x):
 
 
 @triton.jit
+def _store_selected(out_row, offs, ok, key, threshold, k):
+    """Write, in ascending order, the positions with key > threshold plus the lowest-positioned ties up to k."""
+    above = ok & (key > threshold)
+    ties = ok & (key == threshold)
+    room = k - tl.sum(above.to(tl.int32), 0)
+    chosen = above | (ties & (tl.cumsum(ties.to(tl.int32), 0) <= room))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(out_row + slot, offs, mask=chosen)
+
+
+@triton.jit
 def _topk_kernel(scores_ptr, out_ptr, stride_s, stride_o, P, k, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -38,12 +49,7 @@ def _topk_kernel(scores_ptr, out_ptr, stride_s, stride_o, P, k, BLOCK: tl.conste
         candidate = threshold | (tl.full([], 1, tl.uint32) << (31 - bit))
         count = tl.sum((ok & (key >= candidate)).to(tl.int32), 0)
         threshold = tl.where(count >= k, candidate, threshold)
-    above = ok & (key > threshold)
-    ties = ok & (key == threshold)
-    room = k - tl.sum(above.to(tl.int32), 0)
-    chosen = above | (ties & (tl.cumsum(ties.to(tl.int32), 0) <= room))
-    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(out_ptr + row * stride_o + slot, offs, mask=chosen)
+    _store_selected(out_ptr + row * stride_o, offs, ok, key, threshold, k)
 
 
 @triton.jit
@@ -70,12 +76,7 @@ def _topk_nibble_kernel(scores_ptr, out_ptr, stride_s, stride_o, P, k, BLOCK: tl
     offs = tl.arange(0, BLOCK)
     ok = offs < P
     key = _order_key(tl.load(base + offs, mask=ok, other=0.0))
-    above = ok & (key > threshold)
-    ties = ok & (key == threshold)
-    room = k - tl.sum(above.to(tl.int32), 0)
-    chosen = above | (ties & (tl.cumsum(ties.to(tl.int32), 0) <= room))
-    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(out_ptr + row * stride_o + slot, offs, mask=chosen)
+    _store_selected(out_ptr + row * stride_o, offs, ok, key, threshold, k)
 
 
 def topk_indices(scores: torch.Tensor, k: int, bits_per_pass: int | None = None) -> torch.Tensor:
