@@ -42,7 +42,17 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     ``every:K`` converts layers K-1, 2K-1, ... (every K-th layer counting from 1, so layer 0 stays dense);
     ``every:K:OFFSET`` starts at OFFSET instead. ``not:SPEC`` converts every layer that the list or ``every`` SPEC
     does not name: ``not:every:4`` keeps layers 3, 7, 11, ... softmax and converts the other three in four.
+    At least one softmax attention layer must remain: transformers' decoder (masks, generation) reads the sequence
+    length from an attention layer of the cache.
     """
+    parsed = _parse_layer_spec(spec, num_layers)
+    if len(parsed.indices) >= num_layers:
+        raise RetrofitError(f"--layers {spec!r} converts all {num_layers} layers: keep at least one softmax attention "
+                            "layer (transformers reads the sequence length from one)")
+    return parsed
+
+
+def _parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     text = str(spec).strip().replace(" ", "")
     if not text:
         raise RetrofitError("--layers is empty; use e.g. 0,2,4 or every:4 or not:every:4 or fraction:0.5")
@@ -94,7 +104,7 @@ def _complement(spec: str, inner: str, num_layers: int) -> LayerSpec:
         raise RetrofitError(f"bad --layers {spec!r}: expected not:SPEC, e.g. not:every:4 or not:0,5")
     if inner.startswith(("not:", "fraction:")):
         raise RetrofitError(f"bad --layers {spec!r}: in not:SPEC, SPEC must be a list or every:K, got {inner!r}")
-    excluded = set(parse_layer_spec(inner, num_layers).indices)
+    excluded = set(_parse_layer_spec(inner, num_layers).indices)
     kept = tuple(i for i in range(num_layers) if i not in excluded)
     if not kept:
         raise RetrofitError(f"bad --layers {spec!r}: it leaves no layer to convert (the model has {num_layers})")
@@ -102,8 +112,8 @@ def _complement(spec: str, inner: str, num_layers: int) -> LayerSpec:
 
 
 def layer_count(fraction: float, num_layers: int) -> int:
-    """Layers converted for a fraction: round(F * L), at least 1."""
-    return max(1, min(num_layers, round(fraction * num_layers)))
+    """Layers converted for a fraction: round(F * L), at least 1, at most L - 1 (one softmax layer stays)."""
+    return max(1, min(num_layers - 1, round(fraction * num_layers)))
 
 
 @dataclass

@@ -50,8 +50,10 @@ def test_explicit_and_every_specs(spec, expected):
     ("not:every:1", "leaves no layer to convert"),
     ("not:every:0", "K must be >= 1"),
     ("not:30", "layer index 30 is out of range"),
+    ("0-29", "keep at least one softmax attention layer"),
+    ("every:1", "keep at least one softmax attention layer"),
 ], ids=["out-of-range", "empty", "every0", "every-nan", "fraction-big", "fraction-nan", "words", "reversed-range",
-        "not-empty", "not-fraction", "not-not", "not-everything", "not-every1", "not-every0", "not-out-of-range"])
+        "not-empty", "not-fraction", "not-not", "not-everything", "not-every1", "not-every0", "not-out-of-range", "all-layers", "every1-all"])
 def test_bad_specs_raise_retrofit_error(spec, message):
     with pytest.raises(RetrofitError, match=message) as raised:
         parse_layer_spec(spec, 30)
@@ -77,6 +79,7 @@ def test_not_every_4_is_three_of_four_layers():
 def test_fraction_counts():
     assert parse_layer_spec("fraction:0.5", 30).needs_scoring
     assert layer_count(0.5, 30) == 15 and layer_count(8 / 30, 30) == 8 and layer_count(0.01, 30) == 1
+    assert layer_count(1.0, 30) == 29  # one softmax layer always stays
 
 
 @pytest.fixture(scope="module")
