@@ -169,7 +169,7 @@ def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_st
             sched.step()
             opt.zero_grad(set_to_none=True)
             if show_progress:
-                bar.set_postfix(rel_mse=f"{float(loss):.4f}")
+                bar.set_postfix(rel_mse=f"{float(loss.detach()):.4f}")
         aligner.eval().requires_grad_(False)
         with torch.no_grad():
             records = capture.run(dense, probe)
