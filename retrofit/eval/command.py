@@ -137,7 +137,8 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
               "seq_len": seq_len, "context_lengths": list(settings.context_lengths), "seeds": settings.seeds,
               "haystack": str(haystack) if haystack else None, "batch_size": batch_size,
               "device": str(next(loaded.parameters()).device), "dtype": dtype,
-              "variants": ["dense"] + [variant.name for variant in variants], "versions": library_versions()}
+              "variants": ["dense"] + [variant.name for variant in variants], "versions": library_versions(),
+              "model_kind": "hybrid" if getattr(loaded.config, "retrofit", None) else "dense"}
     report = run_eval(loaded, tokenizer, jobs, variants, batch_size, config)
     report.config["wall_seconds"] = time.perf_counter() - began
     if json_path is not None:

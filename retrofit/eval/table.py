@@ -32,7 +32,9 @@ def markdown_table(report: EvalReport) -> str:
     """Markdown text of the report (one header, one row per task/metric, one tokens/s row)."""
     variants = report.variants
     dense_results = report.results[variants[0]]
-    lines = ["| task / metric | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+    # the first column is the model as loaded: "dense" unless MODEL is itself a hybrid checkpoint
+    header = [report.config.get("model_kind", "dense"), *variants[1:]]
+    lines = ["| task / metric | " + " | ".join(header) + " |", "|---|" + "---:|" * len(variants)]
     for task, metrics in dense_results.items():
         for metric, dense_value in metrics.items():
             cells = [_format(shown_value(metric, dense_value))]
