@@ -1,6 +1,7 @@
 """Chunked Gated DeltaNet (scalar decay per head and step): Triton forward and backward.
 
-The kernels live in kernels/delta_common/chunk.py (shared with KDA); this module is the public entry.
+The kernels live in kernels/delta_common/chunk_{fwd,bwd}_kernels.py, launched by delta_common/chunk.py (shared
+with KDA); this module is the public entry.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Chunked Kimi Delta Attention (per-channel decay): Triton forward and backward.
 
-The kernels live in kernels/delta_common/chunk.py (shared with GDN); this module is the public entry.
+The kernels live in kernels/delta_common/chunk_{fwd,bwd}_kernels.py, launched by delta_common/chunk.py (shared
+with GDN); this module is the public entry.
 """
 from __future__ import annotations
 

@@ -1,0 +1,380 @@
+"""Backward Triton kernels of the chunked gated delta rule (GDN: PER_CHANNEL=False, KDA: PER_CHANNEL=True).
+Math, kernel plan and launch: chunk.py. The gradients of the padded intermediates [B, H, Tp, ...] are fp32
+accumulators (dV', dHs in bf16 on the bf16 path); dq, dk, dG are written by _bwd_dqk and added to by _bwd_wy
+and (KDA) _kda_intra_bwd."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
+
+
+@triton.jit
+def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """dV'_local = scale * sum over the group's query heads of P^T dO."""
+    i_v, i_t = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    if not PER_CHANNEL:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        dec = _gdn_decay(G, False, BT)
+    for iq in range(NG):
+        i_hq = i_h * NG + iq
+        if PER_CHANNEL:
+            p = tl.load(P + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :])
+        else:
+            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            p = _dot(q_c, tl.trans(k_c), PREC) * dec
+        do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        acc += _dot(tl.trans(p), do_c, PREC)
+    tl.store(dVl + (i_bh * Tp + rows[:, None]) * V + cv[None, :], scale * acc)
+
+
+@triton.jit
+def _state_bwd_kernel(q, k, Kd, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T, Tp, NT, H, NG, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                      HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """Reverse pass over chunks: dHs[c] = gradient of the state leaving chunk c,
+    dV' = dV'_local + (k exp(G_last - G)) dS', dS <- exp(G_last) dS' + scale (q exp(G))^T dO - W^T dV'."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    o = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    if HAS_DHT:
+        dh = tl.load(dhT + (i_bh * K + ck[:, None]) * V + cv[None, :]).to(tl.float32)
+    else:
+        dh = tl.zeros([K, BV], dtype=tl.float32)
+    for it in range(NT):
+        i_t = NT - 1 - it
+        rows = i_t * BT + o
+        rmask = rows < T
+        _store_cast(dHs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :], dh, PREC)
+        last = i_t * BT + BT - 1
+        if PER_CHANNEL:
+            G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+            gl = tl.load(Gc + (i_bh * Tp + last) * K + ck)
+            kd = tl.load(Kd + (i_bh * Tp + rows[:, None]) * K + ck[None, :])   # k exp(G_last - G), from _solve_wy
+            eg = tl.exp(G)
+        else:
+            k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            G = tl.load(Gc + i_bh * Tp + rows)
+            gl = tl.load(Gc + i_bh * Tp + last)
+            kd = k_c * tl.exp(gl - G)[:, None]
+            eg = tl.exp(G)[:, None]
+        dvp = tl.load(dVl + (i_bh * Tp + rows[:, None]) * V + cv[None, :]) + _dot(kd, dh, PREC)
+        _store_cast(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :], dvp, PREC)
+        qdo = tl.zeros([K, BV], dtype=tl.float32)
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            qdo += _dot(tl.trans(q_c * eg), do_c, PREC)
+        w = tl.load(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        if PER_CHANNEL:
+            dh = dh * tl.exp(gl)[:, None]
+        else:
+            dh = dh * tl.exp(gl)
+        dh += scale * qdo - _dot(tl.trans(w), dvp, PREC)
+    tl.store(dh0 + (i_bh * K + ck[:, None]) * V + cv[None, :], dh)
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, Gc, Hs, dHs, Vp, dVp, do, dq, dk, dW, dG, dP, scale, T, Tp, NT, H, NG,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                    PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk: dW = -dV' S^T; the state-path parts of dq, dk, dG; dP (stored for KDA, consumed here for GDN).
+    K in blocks of BK (every output is per key channel; the K-independent dP = dO V'^T is recomputed per block,
+    and GDN's per-row dG terms are summed over the blocks): smaller register tiles."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    hbase = (i_bh * NT + i_t) * K
+    last = i_t * BT + BT - 1
+    causal = o[:, None] >= o[None, :]
+    if not PER_CHANNEL:
+        G = tl.load(Gc + i_bh * Tp + rows)
+        gl = tl.load(Gc + i_bh * Tp + last)
+        eg = tl.exp(G)[:, None]
+        dec = _gdn_decay(G, False, BT)
+        dg_row = tl.zeros([BT], dtype=tl.float32)
+        last_acc = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    for i_k in range(0, K, BK):
+        ck = i_k + tl.arange(0, BK)
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None],
+                      other=0.).to(tl.float32)
+        # dW = -dV' S^T; state update: dKd = V' dS'^T, d exp(G_last) = sum_v S dS'
+        dw = tl.zeros([BT, BK], dtype=tl.float32)
+        dkd = tl.zeros([BT, BK], dtype=tl.float32)
+        dd = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(0, V, BV):
+            cv = i_v + tl.arange(0, BV)
+            hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :]).to(tl.float32)
+            dhb = tl.load(dHs + (hbase + ck[:, None]) * V + cv[None, :]).to(tl.float32)
+            dvp = tl.load(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+            vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+            dw -= _dot(dvp, tl.trans(hb), PREC)
+            dkd += _dot(vp, tl.trans(dhb), PREC)
+            dd += tl.sum(hb * dhb, 1)
+        tl.store(dW + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dw)
+        if PER_CHANNEL:
+            Gk = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+            glk = tl.load(Gc + (i_bh * Tp + last) * K + ck)
+            dk_acc = dkd * tl.exp(glk[None, :] - Gk)
+            dg_acc = -k_c * dk_acc
+            last_add = tl.sum(k_c * dk_acc, 0) + tl.exp(glk) * dd
+            dg_acc = tl.where(o[:, None] == BT - 1, dg_acc + last_add[None, :], dg_acc)
+            egk = tl.exp(Gk)
+        else:
+            dk_acc = dkd * tl.exp(gl - G)[:, None]
+            dg_row -= tl.sum(k_c * dk_acc, 1)
+            last_acc += tl.sum(tl.sum(k_c * dk_acc, 1), 0) + tl.exp(gl) * tl.sum(dd, 0)
+            egk = eg
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None],
+                          other=0.).to(tl.float32)
+            dqs = tl.zeros([BT, BK], dtype=tl.float32)
+            dp = tl.zeros([BT, BT], dtype=tl.float32)
+            for i_v in range(0, V, BV):
+                cv = i_v + tl.arange(0, BV)
+                hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :])
+                vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+                do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None],
+                               other=0.).to(tl.float32)
+                dqs += _dot(do_c, tl.trans(hb), PREC)
+                dp += _dot(do_c, tl.trans(vp), PREC)
+            dqs = scale * dqs * egk
+            dp = tl.where(causal, scale * dp, 0.)
+            if PER_CHANNEL:
+                dg_acc += q_c * dqs
+                first = (o * 0 + i_k) == 0
+                tl.store(dP + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :], dp, mask=first[:, None])
+                dq_c = dqs
+            else:
+                dpg = dp * dec
+                dqb = _dot(dpg, k_c, PREC)
+                dkb = _dot(tl.trans(dpg), q_c, PREC)
+                dg_row += tl.sum(q_c * (dqs + dqb), 1) - tl.sum(k_c * dkb, 1)
+                dk_acc += dkb
+                dq_c = dqs + dqb
+            tl.store(dq + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], dq_c, mask=rmask[:, None])
+        if PER_CHANNEL:
+            tl.store(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dg_acc)
+        tl.store(dk + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], dk_acc, mask=rmask[:, None])
+    if not PER_CHANNEL:
+        dg_row = tl.where(o == BT - 1, dg_row + last_acc, dg_row)
+        tl.store(dG + i_bh * Tp + rows, dg_row)
+
+
+@triton.jit
+def _wy_key_block(k, dW, Gc, i_b, i_h, i_bh, T, Tp, H, rows, rmask, ckb, K: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
+    """One key block of _bwd_wy's two passes: k (fp32), dW and exp(G) (per channel for KDA, per row for GDN)."""
+    k_b = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ckb[None, :], mask=rmask[:, None],
+                  other=0.).to(tl.float32)
+    dw_b = tl.load(dW + (i_bh * Tp + rows[:, None]) * K + ckb[None, :])
+    if PER_CHANNEL:
+        eg_b = tl.exp(tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ckb[None, :]))
+    else:
+        eg_b = tl.exp(tl.load(Gc + i_bh * Tp + rows))[:, None]
+    return k_b, dw_b, eg_b
+
+
+@triton.jit
+def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, Tp, H,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """Backward of W = T (beta exp(G) k), U = T (beta v), T = (I + diag(beta) M)^-1. K in blocks of BK, in two
+    passes (dT = dW kg^T first; then the per-channel dk, dG once dA is known), to keep the register tiles small."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o = tl.arange(0, BT)
+    rows = i_t * BT + o
+    rmask = rows < T
+    b_c = tl.load(beta + (i_b * T + rows) * H + i_h, mask=rmask, other=0.).to(tl.float32)
+    tm = tl.load(Tinv + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
+    tmt = _to_op(tl.trans(tm), PREC)
+    if not PER_CHANNEL:
+        G = tl.load(Gc + i_bh * Tp + rows)
+    # pass 1: dT = dW (beta exp(G) k)^T (and GDN's k k^T)
+    dt = tl.zeros([BT, BT], dtype=tl.float32)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        ckb = i_k + tl.arange(0, BK)
+        k_b, dw_b, eg_b = _wy_key_block(k, dW, Gc, i_b, i_h, i_bh, T, Tp, H, rows, rmask, ckb, K, PER_CHANNEL)
+        dt += _dot(dw_b, tl.trans(b_c[:, None] * eg_b * k_b), PREC)
+        if not PER_CHANNEL:
+            kk += _dot(k_b, tl.trans(k_b), PREC)
+    db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        cv = i_v + tl.arange(0, BV)
+        du = tl.load(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        v_c = tl.load(v + ((i_b * T + rows[:, None]) * H + i_h) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        dt += _dot(du, tl.trans(b_c[:, None] * v_c), PREC)
+        dbv = _dot(tmt, du, PREC)
+        db += tl.sum(v_c * dbv, 1)
+        dv_c = b_c[:, None] * dbv
+        if PREC == "bf16emu":
+            dv_c = _round_bf16(dv_c)
+        tl.store(dv + ((i_b * T + rows[:, None]) * H + i_h) * V + cv[None, :], dv_c.to(dv.dtype.element_ty),
+                 mask=rmask[:, None])
+    strict = o[:, None] > o[None, :]
+    da = _dot(_dot(tmt, dt, PREC), tl.trans(tm), PREC)
+    da = tl.where(strict, -da, 0.)
+    if PER_CHANNEL:
+        m = tl.load(M + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
+    else:
+        dec = _gdn_decay(G, True, BT)
+        m = kk * dec
+    db += tl.sum(da * m, 1)
+    dm = b_c[:, None] * da
+    if PER_CHANNEL:
+        tl.store(dM + (i_bh * Tp + rows[:, None]) * BT + o[None, :], dm)
+    else:
+        dmg = dm * dec
+        dg_row = tl.zeros([BT], dtype=tl.float32)
+    # pass 2: d(beta exp(G) k) = T^T dW -> dk, dbeta, dG; GDN adds the k k^T terms through dA
+    for i_k in range(0, K, BK):
+        ckb = i_k + tl.arange(0, BK)
+        k_b, dw_b, eg_b = _wy_key_block(k, dW, Gc, i_b, i_h, i_bh, T, Tp, H, rows, rmask, ckb, K, PER_CHANNEL)
+        dkg = _dot(tmt, dw_b, PREC)
+        db += tl.sum(eg_b * k_b * dkg, 1)
+        dk_b = b_c[:, None] * eg_b * dkg
+        if PER_CHANNEL:
+            dg_ptr = dG + (i_bh * Tp + rows[:, None]) * K + ckb[None, :]
+            tl.store(dg_ptr, tl.load(dg_ptr) + k_b * dk_b)
+        else:
+            dkr = _dot(dmg, k_b, PREC)
+            dkc = _dot(tl.trans(dmg), k_b, PREC)
+            dg_row += tl.sum(k_b * (dk_b + dkr - dkc), 1)
+            dk_b += dkr + dkc
+        dk_ptr = dk + ((i_b * T + rows[:, None]) * H + i_h) * K + ckb[None, :]
+        tl.store(dk_ptr, tl.load(dk_ptr, mask=rmask[:, None], other=0.) + dk_b, mask=rmask[:, None])
+    if not PER_CHANNEL:
+        dgp = tl.load(dG + i_bh * Tp + rows)
+        tl.store(dG + i_bh * Tp + rows, dgp + dg_row)
+    tl.store(dbeta + (i_b * T + rows) * H + i_h, db, mask=rmask)
+
+
+@triton.jit
+def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP) for the rows
+    of one sub-chunk, in their row role (i: reference row r0) and their column role (j: reference row
+    r0 + BC - 1); the diagonal block elementwise, one row/column at a time. Adds into dq, dk and dG.
+    K in blocks of BK (every term is per channel, so the blocks are independent; smaller register tiles); the
+    diagonal block's exps exp(-|G_i - G_j|) are evaluated once per column for M and P together (M's terms ride
+    along with the first query head of the group)."""
+    NS: tl.constexpr = BT // BC
+    i_tc = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    i_t, i_i = i_tc // NS, i_tc % NS
+    t0 = i_t * BT
+    r0 = t0 + i_i * BC
+    r1 = r0 + BC - 1
+    oc = tl.arange(0, BC)
+    ri = r0 + oc
+    ra = t0 + tl.arange(0, BT)
+    lb = i_i * BC + oc
+    la = tl.arange(0, BT)
+    imask = (ri < T)[:, None]
+    amask = (ra < T)[:, None]
+    Gb = Gc + i_bh * Tp * K
+    kb = k + (i_b * T * H + i_h) * K
+    jm = (ra < r0)[:, None]
+    im = (ra > r1)[:, None]
+    mb = dM + i_bh * Tp * BT
+    dm_i = tl.load(mb + ri[:, None] * BT + la[None, :])
+    dm_c = tl.load(mb + ra[:, None] * BT + lb[None, :])
+    for kk in range(0, K, BK):
+        ck = kk + tl.arange(0, BK)
+        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+        G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+        g_r = tl.load(Gb + r0 * K + ck)
+        g_r1 = tl.load(Gb + r1 * K + ck)
+        k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+        e_i = tl.exp(G_i - g_r[None, :])
+        e_c = tl.exp(g_r1[None, :] - G_i)
+        k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
+        e_a1 = tl.exp(tl.where(im, G_a - g_r1[None, :], 0.))
+        k_c1 = tl.where(im, k_a * e_a1, 0.)
+        # M: row role  dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);  column role  dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
+        dkr = e_i * _dot(dm_i, k_r, PREC)
+        dkc = e_c * _dot(tl.trans(dm_c), k_c1, PREC)
+        dk_add = tl.zeros([BC, BK], dtype=tl.float32)
+        dg_add = tl.zeros([BC, BK], dtype=tl.float32)
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            qb = q + (i_b * T * Hq + i_hq) * K
+            pb = dP + (i_b * Hq + i_hq) * Tp * BT
+            q_i = tl.load(qb + ri[:, None] * (Hq * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            q_a = tl.load(qb + ra[:, None] * (Hq * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+            q_c1 = tl.where(im, q_a * e_a1, 0.)
+            dp_i = tl.load(pb + ri[:, None] * BT + la[None, :])
+            dp_c = tl.load(pb + ra[:, None] * BT + lb[None, :])
+            dqb = e_i * _dot(dp_i, k_r, PREC)
+            dkb = e_c * _dot(tl.trans(dp_c), q_c1, PREC)
+            with_m = (oc * 0 + iq) == 0                                  # M's diagonal terms: first head only
+            for jj in range(BC):
+                j = r0 + jj
+                jin = (ck * 0 + j) < T
+                k_j = tl.load(kb + j * (H * K) + ck, mask=jin, other=0.).to(tl.float32)
+                q_j = tl.load(qb + j * (Hq * K) + ck, mask=jin, other=0.).to(tl.float32)
+                g_j = tl.load(Gb + j * K + ck)
+                # exp(-|G_i - G_j|): exp(G_i - G_j) on rows i >= j, exp(G_j - G_i) on rows i <= j
+                ex = tl.exp(tl.where((ri >= j)[:, None], G_i - g_j[None, :], g_j[None, :] - G_i))
+                kx = k_j[None, :] * ex
+                mcol = tl.load(mb + ri * BT + (j - t0), mask=with_m, other=0.)   # dM[i, j] (0 for i <= j)
+                mrow = tl.load(mb + j * BT + lb, mask=with_m, other=0.)          # dM[j, i] (0 for i >= j)
+                pcol = tl.load(pb + ri * BT + (j - t0))                         # dP[i, j] (0 for i < j)
+                prow = tl.load(pb + j * BT + lb)                                # dP[j, i] (0 for i > j)
+                dkr += mcol[:, None] * kx
+                dkc += mrow[:, None] * kx
+                dqb += pcol[:, None] * kx
+                dkb += prow[:, None] * q_j[None, :] * ex
+            dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
+            tl.store(dq_ptr, tl.load(dq_ptr, mask=imask, other=0.) + dqb, mask=imask)
+            dk_add += dkb
+            dg_add += q_i * dqb - k_i * dkb
+        dk_add += dkr + dkc
+        dg_add += k_i * (dkr - dkc)
+        dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
+        tl.store(dk_ptr, tl.load(dk_ptr, mask=imask, other=0.) + dk_add, mask=imask)
+        dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
+        tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
+
+
+@triton.jit
+def _rev_cumsum_kernel(dG, dg, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """dg_i = sum_{j >= i in the chunk} dG_j (G is the chunk-local cumulative sum of g)."""
+    i_b, i_h, i_bh, rows, rmask = _chunk_rows(T, H, BT)
+    if PER_CHANNEL:
+        ck = tl.arange(0, K)
+        x = tl.load(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        r = tl.sum(x, 0)[None, :] - tl.cumsum(x, axis=0) + x
+        tl.store(dg + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], r, mask=rmask[:, None])
+    else:
+        x = tl.load(dG + i_bh * Tp + rows)
+        r = tl.sum(x, 0) - tl.cumsum(x, axis=0) + x
+        tl.store(dg + (i_b * T + rows) * H + i_h, r, mask=rmask)
