@@ -2,7 +2,9 @@
 
 Metadata per page of ``page_size`` positions: element-wise min and max of its keys (padding excluded). Per decode
 step: ``score = sum_d max(q_d*max_d, q_d*min_d)`` (max over the query heads of a GQA group), top
-``budget // page_size`` pages, sparse attention over them. The first ``dense_layers`` stay dense (authors' setting).
+``budget // page_size`` pages with the page holding the newest token always among them (the authors' kernel tops-k
+the other pages and appends the last one), sparse attention over them. The first ``dense_layers`` stay dense
+(authors' setting).
 """
 from __future__ import annotations
 
@@ -61,5 +63,6 @@ class Quest(SparseMethod):
         num_pages = meta["num_pages"]
         score = quest_page_scores if layer.use_triton(query) else quest_page_scores_ref
         scores = score(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
+        scores[:, :, num_pages - 1] = float("inf")  # the page being written (newest tokens) is always read
         top = best_blocks(layer, scores, min(self.budget // self.page_size, num_pages))
         return Selection(top, full_counts(layer, top), self.page_size)
