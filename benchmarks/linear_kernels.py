@@ -12,6 +12,7 @@ Usage (GPU machine; fla wheels on PYTHONPATH, or it measures ours + SDPA only)::
     python benchmarks/linear_kernels.py --json $OUT/linear.json            # timings
     python benchmarks/linear_kernels.py --check --json $OUT/check.json     # bf16 outputs ours vs fla (rel RMS)
     python benchmarks/linear_kernels.py --tune-decode                      # recurrent block-size sweep
+    python benchmarks/linear_kernels.py --profile                          # our chunk kernels, time per Triton kernel
 
 Timing: ``triton.testing.do_bench`` (warm-up, then the median of CUDA-event timed calls).
 """
@@ -293,6 +294,48 @@ def compare(outs: dict) -> dict:
     return {name: rel_rms(ours[name], theirs[name]) for name in ours}
 
 
+def profile_chunk(ours, kinds: tuple[str, ...] = ("gdn", "kda")) -> dict:
+    """CUDA time per kernel of our chunk forward and forward+backward at FWD_BWD_SHAPE (torch.profiler, 3 calls each).
+
+    Prints one table per (kind, pass) and returns {"gdn fwd": {kernel: ms per call}, ...}.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T = FWD_BWD_SHAPE
+    scale = K ** -0.5
+    results: dict[str, dict[str, float]] = {}
+    for kind in kinds:
+        fn = ours.get(f"chunk_{kind}")
+        if fn is None:
+            continue
+        q, k, v, g, beta = make_inputs(B, T, kind == "kda", requires_grad=True)
+        do = torch.randn(B, T, H, V, device=DEVICE, dtype=DTYPE)
+
+        def forward():
+            with torch.no_grad():
+                fn(q, k, v, g, beta, scale=scale, output_final_state=True)
+
+        def forward_backward():
+            o, _ = fn(q, k, v, g, beta, scale=scale, output_final_state=True)
+            o.backward(do)
+
+        for label, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
+            step()  # compile outside the profile
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            per_kernel = {event.key: event.device_time_total / 3 / 1e3 for event in prof.key_averages()
+                          if event.device_time_total > 0}
+            ordered = dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
+            results[f"{kind} {label}"] = ordered
+            print(f"\n{kind} chunk {label}, B={B} T={T}: {sum(ordered.values()):.3f} ms of kernels per call")
+            for name, ms in list(ordered.items())[:12]:
+                print(f"  {ms:8.3f} ms  {name[:90]}")
+    return results
+
+
 def tune_decode() -> None:
     """Sweep the recurrent kernel's V block and warps for the decode step (prints median us)."""
     import triton
@@ -348,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--check", action="store_true", help="compare our bf16 outputs with fla's (rel RMS) instead of timing")
     parser.add_argument("--tune-decode", action="store_true", help="sweep the recurrent kernel's block sizes")
+    parser.add_argument("--profile", action="store_true", help="CUDA time per kernel of our chunk kernels")
     parser.add_argument("--only", choices=["chunk", "decode", "sdpa"], action="append",
                         help="run only these groups (repeatable); default all")
     args = parser.parse_args(argv)
@@ -364,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                      "fla": fla_version, "shape": {"H": H, "K": K, "V": V, "dtype": "bfloat16"}}
     if args.tune_decode:
         tune_decode()
+        return 0
+    if args.profile:
+        payload["profile"] = profile_chunk(ours)
+        if args.json:
+            write_json(args.json, payload)
         return 0
     if args.check:
         if fla is None:
