@@ -100,10 +100,7 @@ def time_quest_vs_dense(batch: int, context: int, budget: int, page: int, graphs
         "quest_us": 1e3 * triton.testing.do_bench(step),
         "scores_us": 1e3 * triton.testing.do_bench(
             lambda: quest_page_scores(q, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, page)),
-        "topk_us": 1e3 * triton.testing.do_bench(
-            lambda: topk_indices(scores.view(-1, num_pages), budget // page, bits_per_pass=1)),
-        "topk_4bit_us": 1e3 * triton.testing.do_bench(
-            lambda: topk_indices(scores.view(-1, num_pages), budget // page, bits_per_pass=4)),
+        "topk_us": 1e3 * triton.testing.do_bench(lambda: topk_indices(scores.view(-1, num_pages), budget // page)),
         "torch_topk_us": 1e3 * triton.testing.do_bench(
             lambda: torch.topk(scores.view(-1, num_pages), budget // page, dim=-1)),
         "attention_us": 1e3 * triton.testing.do_bench(lambda: sparse_decode_attention(
@@ -111,24 +108,15 @@ def time_quest_vs_dense(batch: int, context: int, budget: int, page: int, graphs
         "kernel_vs_reference_rel_err": error,
     }
     if graphs:
-        import retrofit.kernels.sparse_decode.topk as topk_module
-
-        default_bits = topk_module.BITS_PER_PASS
-        try:
-            for bits, key in ((1, "quest_graph_us"), (4, "quest_graph_4bit_us")):
-                topk_module.BITS_PER_PASS = bits
-                for _ in range(3):
-                    step()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                result[key] = 1e3 * triton.testing.do_bench(graph.replay)
-        finally:
-            topk_module.BITS_PER_PASS = default_bits
+        for _ in range(3):
+            step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        result["quest_graph_us"] = 1e3 * triton.testing.do_bench(graph.replay)
     floor_bytes = batch * H_KV * HEAD_DIM * 2 * (2 * num_pages + 2 * budget)
     result["floor_us"] = 1e6 * floor_bytes / HBM_BYTES_PER_S
-    best = min(result["quest_us"], result.get("quest_graph_us", float("inf")),
-               result.get("quest_graph_4bit_us", float("inf")))
+    best = min(result["quest_us"], result.get("quest_graph_us", float("inf")))
     result["speedup"] = result["dense_us"] / best
     if result["dense_design_doc_us"]:
         result["speedup_vs_design_doc_dense"] = result["dense_design_doc_us"] / best
@@ -155,17 +143,17 @@ def memory_per_method(context: int, budget: int, gate_path: Path, device: str) -
 
 
 def markdown(rows: list[dict], memory: dict) -> str:
-    lines = ["| batch | context | dense SDPA (us) [backend] | dense, design doc (us) | quest eager (us) | quest graph 1-bit / 4-bit top-k (us) "
-             "| scores | top-k 1-bit / 4-bit / torch | attention | bytes floor (us) | speedup | vs doc dense | rel err |",
+    lines = ["| batch | context | dense SDPA (us) [backend] | dense, design doc (us) | quest eager (us) | quest graph (us) "
+             "| scores | top-k ours / torch | attention | bytes floor (us) | speedup | vs doc dense | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         doc = r.get("dense_design_doc_us")
         lines.append(
             f"| {r['batch']} | {r['context'] // 1024}K | {r['dense_us']:.1f} [{r['dense_backend']}] | "
             f"{doc if doc else '-'} | {r['quest_us']:.1f} | "
-            f"{r.get('quest_graph_us', float('nan')):.1f} / {r.get('quest_graph_4bit_us', float('nan')):.1f} | "
+            f"{r.get('quest_graph_us', float('nan')):.1f} | "
             f"{r['scores_us']:.1f} | "
-            f"{r['topk_us']:.1f} / {r['topk_4bit_us']:.1f} / {r['torch_topk_us']:.1f} | "
+            f"{r['topk_us']:.1f} / {r['torch_topk_us']:.1f} | "
             f"{r['attention_us']:.1f} | {r['floor_us']:.1f} | {r['speedup']:.2f}x | "
             f"{r.get('speedup_vs_design_doc_dense', float('nan')):.2f}x | {r['kernel_vs_reference_rel_err']:.1e} |")
     for context, held in memory.items():

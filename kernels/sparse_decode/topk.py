@@ -14,7 +14,6 @@ import triton.language as tl
 from retrofit.kernels.sparse_decode.reference import topk_indices_ref
 
 MAX_ROW = 16384
-BITS_PER_PASS = 1  # 1 or 4: see topk_indices; benchmarks/sparse_decode.py times both
 
 
 @triton.jit
@@ -52,39 +51,10 @@ def _topk_kernel(scores_ptr, out_ptr, stride_s, stride_o, P, k, BLOCK: tl.conste
     _store_selected(out_ptr + row * stride_o, offs, ok, key, threshold, k)
 
 
-@triton.jit
-def _topk_nibble_kernel(scores_ptr, out_ptr, stride_s, stride_o, P, k, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """The same selection, 4 bits of the threshold per pass: 8 passes instead of 32, each counting the row against
-    the 16 candidate nibbles at once ([CHUNK, 16] compares accumulated over the row, one reduction per pass)."""
-    row = tl.program_id(0)
-    base = scores_ptr + row * stride_s
-    nibbles = tl.arange(0, 16).to(tl.uint32)
-    threshold = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(8):
-        shift = 28 - 4 * p
-        candidates = threshold | (nibbles << shift)
-        hits = tl.zeros([CHUNK, 16], dtype=tl.int32)
-        for first in range(0, P, CHUNK):
-            offs = first + tl.arange(0, CHUNK)
-            ok = offs < P
-            key = _order_key(tl.load(base + offs, mask=ok, other=0.0))
-            hits += (ok[:, None] & (key[:, None] >= candidates[None, :])).to(tl.int32)
-        counts = tl.sum(hits, 0)
-        # candidate 0 is the threshold itself (count >= k by induction): the new nibble is the last one that keeps k
-        nibble = tl.sum((counts >= k).to(tl.int32), 0) - 1
-        threshold = threshold | (nibble.to(tl.uint32) << shift)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < P
-    key = _order_key(tl.load(base + offs, mask=ok, other=0.0))
-    _store_selected(out_ptr + row * stride_o, offs, ok, key, threshold, k)
-
-
-def topk_indices(scores: torch.Tensor, k: int, bits_per_pass: int | None = None) -> torch.Tensor:
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the ``k`` largest scores of each row, ascending; ties go to the lower position (Triton).
 
     scores [R, P] (fp32, no NaN; -inf allowed), 1 <= k <= P -> indices [R, k] int32.
-    ``bits_per_pass``: 1 (32 counting passes over the row in registers) or 4 (8 passes, 16 candidates each);
-    default ``BITS_PER_PASS``.
     """
     R, P = scores.shape
     if not 1 <= k <= P:
@@ -95,13 +65,6 @@ def topk_indices(scores: torch.Tensor, k: int, bits_per_pass: int | None = None)
         scores = scores.contiguous()
     out = torch.empty(R, k, device=scores.device, dtype=torch.int32)
     block = max(16, triton.next_power_of_2(P))
-    bits = bits_per_pass or BITS_PER_PASS
-    if bits == 4:
-        _topk_nibble_kernel[(R,)](scores, out, scores.stride(0), out.stride(0), P, k, BLOCK=block,
-                                  CHUNK=min(block, 512), num_warps=8 if block >= 4096 else 4)
-    elif bits == 1:
-        _topk_kernel[(R,)](scores, out, scores.stride(0), out.stride(0), P, k, BLOCK=block,
-                           num_warps=8 if block >= 4096 else 4)
-    else:
-        raise ValueError(f"bits_per_pass must be 1 or 4, got {bits}")
+    _topk_kernel[(R,)](scores, out, scores.stride(0), out.stride(0), P, k, BLOCK=block,
+                       num_warps=8 if block >= 4096 else 4)
     return out

@@ -418,11 +418,10 @@ class Distiller:
     def _checkpoint(self, stage: int, next_step: int, module: nn.Module, opt, sched, force: bool = False) -> None:
         if self.config.checkpoint_every == 0 and not force:
             return
-        if self.sharded:  # gathering the full tensors is a collective: every rank takes part, rank 0 writes
-            model_state, optimizer_state = trainable_state(module), full_optimizer_state(opt)
+        if self.sharded or self.rank == 0:  # under FSDP gathering full tensors is a collective: every rank takes part
+            model_state = trainable_state(module)
+            optimizer_state = full_optimizer_state(opt) if self.sharded else opt.state_dict()
         if self.rank == 0:
-            if not self.sharded:
-                model_state, optimizer_state = trainable_state(module), opt.state_dict()
             save_train_state(self.work_dir, {
                 "fingerprint": self.fingerprint, "stage": stage, "step": next_step,
                 "model": model_state, "optimizer": optimizer_state, "scheduler": sched.state_dict(),

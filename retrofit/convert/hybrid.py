@@ -23,7 +23,6 @@ from retrofit.errors import RetrofitError
 
 RETROFIT_VERSION = 1
 SUPPORTED_BASES = ("llama", "qwen2", "mistral")
-LAYER_KINDS = ("gdn", "kda")
 
 
 @dataclass
@@ -57,7 +56,8 @@ def hybrid_model_type(base_type: str) -> str:
     return f"retrofit_{base_type}"
 
 
-def _check_base(base_type: str) -> None:
+def check_base_type(base_type: str) -> None:
+    """RetrofitError unless a ``base_type`` model (config.model_type) can be converted to a hybrid."""
     if base_type not in SUPPORTED_BASES:
         raise RetrofitError(f"model type {base_type!r} cannot be converted to a hybrid; supported: "
                             f"{', '.join(SUPPORTED_BASES)}")
@@ -68,7 +68,7 @@ def config_class(base_type: str):
     """``Retrofit<Base>Config``: the base config class with ``model_type = "retrofit_<base>"``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    _check_base(base_type)
+    check_base_type(base_type)
     base = CONFIG_MAPPING[base_type]
     return type(f"Retrofit{base.__name__}", (base,), {"model_type": hybrid_model_type(base_type),
                                                       "__module__": __name__})
@@ -234,6 +234,6 @@ def load_hybrid(path: str | os.PathLike, dtype=None, device="cpu"):
     register()
     raw = json.loads((Path(path) / "config.json").read_text())
     section = HybridSection.from_dict(raw["retrofit"])
-    _check_base(section.base_model_type)
+    check_base_type(section.base_model_type)
     model = model_class(section.base_model_type).from_pretrained(str(path), dtype=dtype or torch.float32)
     return model.to(device).eval()

@@ -126,25 +126,23 @@ def convert(layer_type: str, layers: str) -> Variant:
     :func:`retrofit.convert.hybrid.to_hybrid` on the dense model's device and dtype.
 
     The hybrid shares every other weight with the dense model (no copy), so only the new layers' weights are added;
-    they are released on exit (once the caller drops the yielded model). Nothing is distilled: the outputs are not
+    they are released once the caller drops the yielded model. Nothing is distilled: the outputs are not
     meaningful, the speed and memory are."""
-    from retrofit.convert.hybrid import LAYER_KINDS
+    from retrofit.layers import LAYER_TYPES
 
     layer_type, layers = layer_type.strip(), layers.strip().replace(" ", "")
-    if layer_type not in LAYER_KINDS:
-        raise RetrofitError(f"--variant convert:{layer_type}:{layers}: unknown layer type {layer_type!r}; "
-                            f"use one of {', '.join(LAYER_KINDS)}")
     name = f"convert:{layer_type}:{layers}"
+    try:
+        LAYER_TYPES.get(layer_type)
+    except RetrofitError as error:
+        raise RetrofitError(f"--variant {name}: {error}") from None
 
     def converted_layers(model) -> list[int]:
-        from retrofit.convert.hybrid import SUPPORTED_BASES
+        from retrofit.convert.hybrid import check_base_type
         from retrofit.select import parse_layer_spec
 
-        model_type = model.config.model_type
-        if model_type not in SUPPORTED_BASES:
-            raise RetrofitError(f"--variant {name}: a {model_type} model cannot be converted; supported: "
-                                f"{', '.join(SUPPORTED_BASES)}")
         try:
+            check_base_type(model.config.model_type)
             parsed = parse_layer_spec(layers, model.config.num_hidden_layers)
         except RetrofitError as error:
             raise RetrofitError(f"--variant {name}: {error}") from None
@@ -163,12 +161,7 @@ def convert(layer_type: str, layers: str) -> Variant:
 
         section = HybridSection(layers=converted_layers(model), layer_type=layer_type,
                                 base_model_type=model.config.model_type)
-        hybrid_model = to_hybrid(model, section, share_weights=True)
-        try:
-            yield hybrid_model
-        finally:  # the caller drops its reference too; then only the shared weights remain
-            del hybrid_model
-            gc.collect()
+        yield to_hybrid(model, section, share_weights=True)  # freed once the caller drops it (run_bench collects)
 
     return Variant(name, opener, describer)
 

@@ -132,14 +132,13 @@ def _topk_scores(P, device="cpu"):
     return scores.to(device)
 
 
-@pytest.mark.parametrize("bits", [1, 4], ids=["1bit", "4bit"])
 @pytest.mark.parametrize("case", list(TOPK_CASES), ids=list(TOPK_CASES))
-def test_topk_indices_match_reference_exactly(case, bits):
+def test_topk_indices_match_reference_exactly(case):
     """Exact integer output (no tolerance): same k positions, ascending, ties to the lowest position."""
     P, k = TOPK_CASES[case]
     scores = _topk_scores(P)
     with nan_poisoned_allocations():
-        indices = topk_indices(scores, k, bits_per_pass=bits)
+        indices = topk_indices(scores, k)
     expected = topk_indices_ref(scores, k)
     assert torch.equal(indices, expected)
     # the chosen scores are the k largest: same multiset of values as torch.topk
@@ -148,12 +147,11 @@ def test_topk_indices_match_reference_exactly(case, bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [1, 4], ids=["1bit", "4bit"])
 @pytest.mark.parametrize("case", list(TOPK_CASES), ids=list(TOPK_CASES))
-def test_topk_indices_gpu(case, bits):
+def test_topk_indices_gpu(case):
     P, k = TOPK_CASES[case]
     scores = _topk_scores(P, "cuda")
-    assert torch.equal(topk_indices(scores, k, bits_per_pass=bits), topk_indices_ref(scores, k))
+    assert torch.equal(topk_indices(scores, k), topk_indices_ref(scores, k))
 
 
 @pytest.mark.gpu

@@ -63,7 +63,13 @@ def full_counts(layer, top: torch.Tensor) -> torch.Tensor:
 
 
 def best_blocks(layer, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending; Triton on GPU)."""
+    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending; Triton on GPU).
+
+    Block P - 1, the one being written (it holds the token being decoded), is always among them, as in the
+    authors' Quest and SeerAttention kernels (top-k over the other blocks, the last appended). ``scores`` is
+    overwritten there.
+    """
     B, H, P = scores.shape
+    scores[:, :, P - 1] = float("inf")
     select = topk_indices if layer.use_triton(scores) else topk_indices_ref
     return select(scores.reshape(B * H, P), k).view(B, H, k)

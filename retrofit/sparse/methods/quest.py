@@ -63,6 +63,5 @@ class Quest(SparseMethod):
         num_pages = meta["num_pages"]
         score = quest_page_scores if layer.use_triton(query) else quest_page_scores_ref
         scores = score(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
-        scores[:, :, num_pages - 1] = float("inf")  # the page being written (newest tokens) is always read
         top = best_blocks(layer, scores, min(self.budget // self.page_size, num_pages))
         return Selection(top, full_counts(layer, top), self.page_size)

@@ -168,6 +168,5 @@ class SeerAttention(SparseMethod):
         scores = score(gate_query, meta["gate_keys"], num)
         block_end = (torch.arange(num, device=query.device) + 1) * self.block_size
         scores = scores.masked_fill((block_end[None, :] <= layer.kv_start.long()[:, None])[:, None, :], float("-inf"))
-        scores[:, :, num - 1] = float("inf")
         top = best_blocks(layer, scores, min(self.budget // self.block_size, num))
         return Selection(top, full_counts(layer, top), self.block_size)
