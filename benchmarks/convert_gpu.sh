@@ -24,11 +24,12 @@ if [ ! -f "$hyb/config.json" ]; then
   echo "convert exit $code after $(( $(date +%s) - start )) s" | tee -a "$out/convert_$name.log"
   [ "$code" = 0 ] || exit "$code"
 fi
-retrofit eval smollm2-135m --hybrid "$hyb" --tasks wikitext2 --limit 32 --seq-len 1024 --data-dir "$evaldir" \
+# each evaluation is skipped when its JSON exists (a resumed call picks up where the last one stopped)
+[ -f "$out/ppl_$name.json" ] || retrofit eval smollm2-135m --hybrid "$hyb" --tasks wikitext2 --limit 32 --seq-len 1024 --data-dir "$evaldir" \
   --device cuda --dtype float32 --batch-size 8 --json "$out/ppl_$name.json" 2>&1 | tr '\r' '\n' | grep -v "%|"
-retrofit eval smollm2-135m --hybrid "$hyb" --tasks piqa,arc_easy --limit 200 --data-dir "$evaldir" \
+[ -f "$out/mc_$name.json" ] || retrofit eval smollm2-135m --hybrid "$hyb" --tasks piqa,arc_easy --limit 200 --data-dir "$evaldir" \
   --device cuda --dtype float32 --batch-size 32 --json "$out/mc_$name.json" 2>&1 | tr '\r' '\n' | grep -v "%|"
 # sparse decoding on the hybrid's softmax layers: budget 4096 >= context 2048 must equal the hybrid alone
-retrofit eval "$hyb" --tasks passkey,niah_single --context-length 2048 --limit 1 --num-seeds 10 --batch-size 10 \
+[ -f "$out/sparse_$name.json" ] || retrofit eval "$hyb" --tasks passkey,niah_single --context-length 2048 --limit 1 --num-seeds 10 --batch-size 10 \
   --device cuda --sparse quest --budget 1024 --budget 4096 --json "$out/sparse_$name.json" 2>&1 \
   | tr '\r' '\n' | grep -v "%|"

@@ -294,10 +294,12 @@ def compare(outs: dict) -> dict:
     return {name: rel_rms(ours[name], theirs[name]) for name in ours}
 
 
-def profile_chunk(ours, kinds: tuple[str, ...] = ("gdn", "kda")) -> dict:
-    """CUDA time per kernel of our chunk forward and forward+backward at FWD_BWD_SHAPE (torch.profiler, 3 calls each).
+def profile_chunk(ops, who: str = "ours", kinds: tuple[str, ...] = ("gdn", "kda")) -> dict:
+    """CUDA time per kernel of one implementation's chunk forward and forward+backward at FWD_BWD_SHAPE
+    (torch.profiler, 3 calls each); ``ops`` is ``load_ours()`` or fla's dict.
 
-    Prints one table per (kind, pass) and returns {"gdn fwd": {kernel: ms per call}, ...}.
+    Prints one table per (kind, pass) and returns {"gdn fwd": {kernel: ms per call}, ...}; a pass that raises (fla's
+    GDN backward on triton 3.6 / Hopper) is reported and skipped.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -305,7 +307,7 @@ def profile_chunk(ours, kinds: tuple[str, ...] = ("gdn", "kda")) -> dict:
     scale = K ** -0.5
     results: dict[str, dict[str, float]] = {}
     for kind in kinds:
-        fn = ours.get(f"chunk_{kind}")
+        fn = ops.get(f"chunk_{kind}")
         if fn is None:
             continue
         q, k, v, g, beta = make_inputs(B, T, kind == "kda", requires_grad=True)
@@ -320,8 +322,12 @@ def profile_chunk(ours, kinds: tuple[str, ...] = ("gdn", "kda")) -> dict:
             o.backward(do)
 
         for label, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
-            step()  # compile outside the profile
-            torch.cuda.synchronize()
+            try:
+                step()  # compile outside the profile
+                torch.cuda.synchronize()
+            except Exception as error:
+                print(f"\n{who} {kind} chunk {label}: {type(error).__name__}: {str(error)[:120]}")
+                continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     step()
@@ -330,9 +336,56 @@ def profile_chunk(ours, kinds: tuple[str, ...] = ("gdn", "kda")) -> dict:
                           if event.device_time_total > 0}
             ordered = dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
             results[f"{kind} {label}"] = ordered
-            print(f"\n{kind} chunk {label}, B={B} T={T}: {sum(ordered.values()):.3f} ms of kernels per call")
+            print(f"\n{who} {kind} chunk {label}, B={B} T={T}: {sum(ordered.values()):.3f} ms of kernels per call")
             for name, ms in list(ordered.items())[:12]:
                 print(f"  {ms:8.3f} ms  {name[:90]}")
+    return results
+
+
+def tune_chunk() -> dict:
+    """Sweep warps and pipelining stages of each chunk-forward kernel (one at a time, the others at their
+    defaults) and the value blocks, timing the whole forward at B=1 T=16384; prints ms per setting and the best
+    setting per kernel. Forward only: a setting adopted from here must still pass the GPU tests (backward shares
+    BLOCK_V)."""
+    import importlib
+    chunk = importlib.import_module("retrofit.kernels.delta_common.chunk")
+    ours = load_ours()
+    scale = K ** -0.5
+    results: dict[str, dict[str, float]] = {}
+    for kind, kernels in (("gdn", ("solve_wy", "state_fwd", "output")),
+                          ("kda", ("kda_intra", "solve_wy_kda", "state_fwd", "output"))):
+        fn = ours[f"chunk_{kind}"]
+        q, k, v, g, beta = make_inputs(1, 16384, kind == "kda")
+
+        def forward():
+            with torch.no_grad():
+                fn(q, k, v, g, beta, scale=scale, output_final_state=True)
+
+        def timed(label: str) -> float | None:
+            ms, note = try_bench(forward)
+            print(f"tune {kind} {label}: {fmt(ms, 4)} ms {note}", flush=True)
+            results.setdefault(kind, {})[label] = ms
+            return ms
+
+        base = timed("defaults")
+        for name in kernels:
+            saved_w, saved_s = dict(chunk.WARPS), dict(chunk.STAGES)
+            best = (base, "defaults")
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    chunk.WARPS[name], chunk.STAGES[name] = warps, stages
+                    ms = timed(f"{name} warps={warps} stages={stages}")
+                    if ms is not None and (best[0] is None or ms < best[0]):
+                        best = (ms, f"warps={warps} stages={stages}")
+            chunk.WARPS.clear(); chunk.WARPS.update(saved_w)
+            chunk.STAGES.clear(); chunk.STAGES.update(saved_s)
+            print(f"best {kind} {name}: {best[1]} {fmt(best[0], 4)} ms (defaults {fmt(base, 4)})", flush=True)
+        for attr, values in (("BLOCK_V", (16, 32, 64)), ("BLOCK_V_OUT", (32, 64, 128))):
+            saved = getattr(chunk, attr)
+            for value in values:
+                setattr(chunk, attr, value)
+                timed(f"{attr}={value}")
+            setattr(chunk, attr, saved)
     return results
 
 
@@ -391,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--check", action="store_true", help="compare our bf16 outputs with fla's (rel RMS) instead of timing")
     parser.add_argument("--tune-decode", action="store_true", help="sweep the recurrent kernel's block sizes")
+    parser.add_argument("--tune-chunk", action="store_true",
+                        help="sweep warps/stages/value blocks of the chunk-forward kernels")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel of our chunk kernels")
     parser.add_argument("--only", choices=["chunk", "decode", "sdpa"], action="append",
                         help="run only these groups (repeatable); default all")
@@ -409,8 +464,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune_decode:
         tune_decode()
         return 0
+    if args.tune_chunk:
+        payload["tune_chunk"] = tune_chunk()
+        if args.json:
+            write_json(args.json, payload)
+        return 0
     if args.profile:
         payload["profile"] = profile_chunk(ours)
+        if fla is not None:
+            payload["profile_fla"] = profile_chunk(fla, "fla")
         if args.json:
             write_json(args.json, payload)
         return 0

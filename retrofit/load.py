@@ -8,6 +8,7 @@ as a float32 safetensors directory under the user's cache dir (``$RETROFIT_CACHE
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -156,6 +157,30 @@ def reference_checkpoint(alias: str) -> str:
     if (target / "config.json").is_file():
         return str(target)
     gguf_path = _fetch_packaged(alias, packaged)
+    # Several processes may start on an empty cache at once (parallel evaluations): one converts, the others wait
+    # for it and then read its result; none removes a directory another is reading.
+    with _exclusive(target.parent / ".hf-float32.lock"):
+        if not (target / "config.json").is_file():
+            _convert_packaged(gguf_path, target)
+    return str(target)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive advisory lock on ``lock_path`` (created if absent) for the duration of the block."""
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_packaged(gguf_path: Path, target: Path) -> None:
+    """GGUF -> float32 safetensors directory ``target``, written in a staging directory and renamed into place."""
     print(f"retrofit: converting {gguf_path.name} to {target} (once)", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,7 +196,6 @@ def reference_checkpoint(alias: str) -> str:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
         os.makedirs(staging)  # TemporaryDirectory removes it on exit
-    return str(target)
 
 
 def reference_gguf(alias: str = "smollm2-135m") -> Path:

@@ -306,6 +306,8 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(smollm2, calib_
     assert "time budget reached at stage 2, step 1" in paused.stderr and not out.exists()
     state = torch.load(work_dir_for(out) / STATE_FILE, map_location="cpu", weights_only=False)
     assert (state["stage"], state["step"], state["fingerprint"]["config"]["parallel"]) == (2, 1, "fsdp")
+    # the paused part's wall time is kept for the summary of the finished run ("minutes (all parts)")
+    assert float((work_dir_for(out) / "elapsed_seconds").read_text()) > 0
     one = load_file(tmp_path / "one" / "model.safetensors")
     converted = {name: value for name, value in state["model"].items() if "lora_" not in name}
     assert converted and all(name.startswith("base_model.model.model.layers.27.self_attn.") for name in converted)

@@ -111,3 +111,24 @@ def test_generate_chat_answers_paris():
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output
     assert "tokens/s" in result.output
+
+
+def test_parallel_first_use_converts_once(gguf_path, tmp_path):
+    """Three processes asking for the alias on an empty cache at once (parallel evaluations on a fresh GPU machine
+    once failed to load the tokenizer): all get a loadable checkpoint, and the GGUF is converted exactly once."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    (cache / "smollm2-135m").mkdir(parents=True)
+    os.symlink(gguf_path, cache / "smollm2-135m" / gguf_path.name)
+    script = ("from transformers import AutoTokenizer; from retrofit.load import reference_checkpoint; "
+              "path = reference_checkpoint('smollm2-135m'); print(len(AutoTokenizer.from_pretrained(path)))")
+    env = {**os.environ, "RETROFIT_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [proc.communicate(timeout=300) + (proc.returncode,) for proc in procs]
+    assert [code for _, _, code in results] == [0, 0, 0], [err[-500:] for _, err, _ in results]
+    assert {out.strip() for out, _, _ in results} == {"49152"}
+    assert sum("converting" in err for _, err, _ in results) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from click.testing import CliRunner
 
-from retrofit.sparse.gates import calibration_chunks, capture_gate_losses, train_gates
+from retrofit.sparse.gates import calibration_chunks, capture_gate_losses, train_gates, with_repeated_span
 from retrofit.sparse.methods.seer import SeerGates
 
 SETTINGS = dict(seq_len=128, block_size=16, hidden=32, queries=8, lr=3e-3, progress=False)
@@ -49,3 +49,26 @@ def test_gates_cli_errors_are_one_line(tmp_path):
                                                     str(tmp_path / "g.gates"), "--resume"])
     assert result.exit_code == 2
     assert result.output.strip().endswith("g.gates.ckpt'") and "no checkpoint" in result.output
+
+
+def test_repeated_span_copies_an_earlier_span_and_keeps_the_rest():
+    import random
+
+    chunk = torch.arange(1000, 1000 + 300)  # distinct tokens: a copy can be located exactly
+    for seed in range(20):
+        out = with_repeated_span(chunk, 40, random.Random(seed))
+        assert torch.equal(out[:260], chunk[:260])
+        start = int(out[260]) - 1000
+        assert 0 <= start <= 300 - 80  # the copy's source lies wholly before the span it replaces
+        assert torch.equal(out[260:], chunk[start:start + 40])
+    assert torch.equal(with_repeated_span(chunk[:70], 40, random.Random(0)), chunk[:70])  # too short: unchanged
+
+
+def test_retrieval_fraction_out_of_range_is_one_line(smollm2, calib_data_dir, tmp_path):
+    import pytest
+
+    from retrofit.errors import RetrofitError
+
+    model, tokenizer = smollm2
+    with pytest.raises(RetrofitError, match="retrieval-fraction 1.5 must be between 0 and 1"):
+        train_gates(model, tokenizer, [calib_data_dir], 4096, tmp_path / "g.gates", retrieval_fraction=1.5)

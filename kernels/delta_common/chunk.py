@@ -71,11 +71,16 @@ KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kd
 KDA_KEEP_INTRA_FOR_BACKWARD = True
 NUM_WARPS = 4
 NUM_STAGES = 2
-# Warps per kernel. Block sizes and warps chosen so that no forward kernel spills registers at K = V = 128 (sm_90 compile of the
-# bf16 path, cuobjdump --dump-resource-usage; previously state_fwd, solve_wy and output spilled 300-1000 bytes).
-# A "<name>_kda" entry overrides "<name>" for KDA.
-WARPS = {"cumsum": 4, "kda_intra": 4, "solve_wy": 4, "solve_wy_kda": 8, "state_fwd": 4, "output": 8, "dv_local": 8,
+# Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
+# forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage). The forward
+# entries come from `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel
+# varied at a time, 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda
+# 8 -> 2 warps and 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428),
+# state_fwd 3 stages (2.131 -> 2.000), kda_intra 4 -> 2 warps (5.736 -> 5.345).
+WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 2, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 8, "rev_cumsum": 4}
+# Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
+STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3}
 # tl.dot input precision for float32 operands: inputs in float32 use exact ("ieee") products;
 # for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
 FP32_INPUT_DOT_PRECISION = "ieee"
@@ -92,8 +97,10 @@ BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp"}
 
 
 def _kw(name, per_channel=False):
-    warps = WARPS.get(name + "_kda") if per_channel else None
-    return dict(num_warps=warps or WARPS.get(name, NUM_WARPS), num_stages=NUM_STAGES)
+    def pick(table, default):
+        value = table.get(name + "_kda") if per_channel else None
+        return value or table.get(name, default)
+    return dict(num_warps=pick(WARPS, NUM_WARPS), num_stages=pick(STAGES, NUM_STAGES))
 
 
 def _precisions(x):

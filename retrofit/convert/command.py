@@ -53,6 +53,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     from retrofit.convert.pipeline import convert
 
     start = time.time()
+    earlier = _seconds_so_far(out) if resume and out else 0.0
     try:
         path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
@@ -61,6 +62,8 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
                        parallel=parallel)
     except TrainingPaused as paused:
+        if distributed_rank() == 0:
+            _record_seconds(out, earlier + time.time() - start)
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
     from retrofit.convert.distill import distributed
@@ -69,10 +72,43 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
         import json
 
         section = json.loads((path / "config.json").read_text())["retrofit"]
-        click.echo("| hybrid | layer type | converted layers | tokens | minutes |")
+        click.echo("| hybrid | layer type | converted layers | tokens | minutes (all parts) |")
         click.echo("|---|---|---|---:|---:|")
         click.echo(f"| {path} | {section['layer_type']} | {','.join(map(str, section['layers']))} | "
-                   f"{section['distillation'].get('tokens')} | {(time.time() - start) / 60:.1f} |")
+                   f"{section['distillation'].get('tokens')} | {(earlier + time.time() - start) / 60:.1f} |")
+
+
+def distributed_rank() -> int:
+    from retrofit.convert.distill import distributed
+
+    return distributed()[0]
+
+
+def _seconds_file(out: str):
+    from retrofit.convert.checkpoint import work_dir_for
+
+    return work_dir_for(out) / "elapsed_seconds"
+
+
+def _seconds_so_far(out: str) -> float:
+    """Wall seconds spent by the earlier, paused parts of a resumed conversion (0 when none were recorded)."""
+    path = _seconds_file(out)
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _record_seconds(out: str, seconds: float) -> None:
+    """Remember the wall time of all parts so far beside the training checkpoint (temp file, then rename)."""
+    import os
+
+    path = _seconds_file(out)
+    if not path.parent.is_dir():
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{seconds:.1f}")
+    os.replace(tmp, path)
 
 
 @click.command("select")

@@ -473,6 +473,11 @@ class Distiller:
                 raise TrainingPaused(stage, step + 1)
         if bar is not None:
             bar.close()
+            history = self.history[f"stage{stage}"]
+            if history:  # one line that survives a log without progress bars
+                tail = history[-20:]
+                print(f"stage {stage} finished: loss of its first step here {history[0]:.4f}, "
+                      f"mean of the last {len(tail)} steps {sum(tail) / len(tail):.4f}", flush=True)
 
     # ----- stages -----
     def run(self) -> nn.Module:

@@ -112,6 +112,23 @@ def calibration_chunks(tokenizer, files: list[Path], tokens: int, seq_len: int) 
     return chunks[:needed]
 
 
+def with_repeated_span(chunk: torch.Tensor, span: int, rng: random.Random) -> torch.Tensor:
+    """``chunk [T]`` with its last ``span`` tokens replaced by a copy of ``span`` tokens from earlier in it.
+
+    Retrieval-style training data: on natural text the decode queries mostly attend to recent blocks, so gates
+    trained only on it rarely learn to find a distant block by content (what needle-in-a-haystack decoding needs).
+    Queries inside a repeated span attend (through the model's induction and retrieval heads) to its first copy,
+    anywhere in the sequence, which the gate must then learn to locate.
+    """
+    T = chunk.shape[0]
+    if T < 2 * span:
+        return chunk
+    start = rng.randrange(0, T - 2 * span + 1)
+    out = chunk.clone()
+    out[T - span :] = chunk[start : start + span]
+    return out
+
+
 def _atomic_save(payload: dict, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
@@ -120,8 +137,12 @@ def _atomic_save(payload: dict, path: Path) -> None:
 
 def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, seq_len: int = 1024,
                 block_size: int = 64, hidden: int = 128, queries: int = 16, lr: float = 1e-3, save_every: int = 20,
-                resume: bool = False, seed: int = 0, progress: bool = True) -> tuple[SeerGates, list[float]]:
+                resume: bool = False, seed: int = 0, progress: bool = True,
+                retrieval_fraction: float = 0.0) -> tuple[SeerGates, list[float]]:
     """Train decode gates for every softmax-attention layer of ``model`` (frozen); save them to ``out``.
+
+    ``retrieval_fraction``: share of the sequences whose last ``2 * queries`` tokens repeat an earlier span
+    (``with_repeated_span``; the choice is seeded, so a resumed run sees the same sequences).
 
     Resumable: a checkpoint ``out + ".ckpt"`` (gates, optimiser, step) is written every ``save_every`` steps;
     ``resume=True`` continues from it. Returns the gates and the per-step losses of this run.
@@ -132,6 +153,8 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
         raise RetrofitError(f"--queries {queries} must be between 1 and --block-size {block_size}")
     if tokens <= 0:
         raise RetrofitError(f"--tokens {tokens} must be positive")
+    if not 0.0 <= retrieval_fraction <= 1.0:
+        raise RetrofitError(f"--retrieval-fraction {retrieval_fraction} must be between 0 and 1")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     checkpoint = out.with_name(out.name + ".ckpt")
@@ -157,6 +180,10 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
     chunks = calibration_chunks(tokenizer, files, tokens, seq_len)
+    if retrieval_fraction > 0:
+        picker = random.Random(seed + 1)
+        chunks = [with_repeated_span(c, 2 * queries, picker) if picker.random() < retrieval_fraction else c
+                  for c in chunks]
     model.eval().requires_grad_(False)
     losses: list[float] = []
     bar = tqdm(range(start, len(chunks)), initial=start, total=len(chunks), desc="gates", disable=not progress)
@@ -187,11 +214,14 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
 @click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
 @click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
 @click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--retrieval-fraction", type=float, default=0.0, show_default=True,
+              help="Share of sequences ending in a repeat of an earlier span (retrieval-style training).")
 @click.option("--save-every", type=int, default=20, show_default=True, help="Checkpoint every N steps.")
 @click.option("--resume", is_flag=True, help="Continue from OUT.ckpt.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--dtype", default="float32", show_default=True, help="Dtype of the frozen base model.")
-def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries, lr, save_every, resume, device, dtype):
+def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries, lr, retrieval_fraction, save_every,
+                  resume, device, dtype):
     """Train SeerAttention decode gates for MODEL (frozen) on calibration text.
 
     \b
@@ -208,7 +238,8 @@ def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries
         raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
     lm, tokenizer = retrofit.load(model, dtype=dtype, device=device)
     _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
-                            hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume)
+                            hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume,
+                            retrieval_fraction=retrieval_fraction)
     if losses:
         click.echo(f"gates saved to {out} (KL per layer: first step {losses[0]:.4f}, last step {losses[-1]:.4f})")
     else:
