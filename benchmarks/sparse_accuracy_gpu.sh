@@ -9,8 +9,9 @@
 #     MODEL      smollm2-135m (alias) or a model / hybrid directory
 #     CALIB_DIR  calibration text for the gates (../shared/data/calib)
 #     CONTEXTS   space-separated prompt lengths (default "2048 4096 8000")
-#   GATE_TOKENS / GATE_SEQ_LEN: gate training (default 2097152 tokens in sequences of 8192, the last 64 positions
-#   of each as decode queries); PARALLEL=0 runs the lengths one after another.
+#   GATE_TOKENS / GATE_SEQ_LEN: gate training (default 1048576 tokens in sequences of 2048, the last 64 positions
+#   of each as decode queries, half the sequences ending in a repeated span: `retrofit gates --retrieval-fraction`);
+#   PARALLEL=0 runs the lengths one after another.
 # Results: $OUT/gates.log, $OUT/sparse_eval_CTX.json (+ .log) and the printed tables (OUT defaults to ./out).
 set -euo pipefail
 model=${1:?MODEL}
@@ -19,8 +20,8 @@ contexts=${3:-2048 4096 8000}
 out=${OUT:-out}
 mkdir -p "$out"
 gates="$out/seer.gates"
-[ -f "$gates" ] || retrofit gates "$model" --data "$calib" --tokens "${GATE_TOKENS:-2097152}" \
-  --seq-len "${GATE_SEQ_LEN:-8192}" --queries 64 --out "$gates" --device cuda --dtype bfloat16 2>&1 \
+[ -f "$gates" ] || retrofit gates "$model" --data "$calib" --tokens "${GATE_TOKENS:-1048576}" \
+  --seq-len "${GATE_SEQ_LEN:-2048}" --queries 64 --out "$gates" --device cuda --dtype bfloat16 2>&1 \
   | tr '\r' '\n' | grep -v "%|" | tail -3 | tee "$out/gates.log"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
 i=0

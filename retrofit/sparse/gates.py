@@ -138,11 +138,13 @@ def _atomic_save(payload: dict, path: Path) -> None:
 def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, seq_len: int = 1024,
                 block_size: int = 64, hidden: int = 128, queries: int = 16, lr: float = 1e-3, save_every: int = 20,
                 resume: bool = False, seed: int = 0, progress: bool = True,
-                retrieval_fraction: float = 0.0) -> tuple[SeerGates, list[float]]:
+                retrieval_fraction: float = 0.5) -> tuple[SeerGates, list[float]]:
     """Train decode gates for every softmax-attention layer of ``model`` (frozen); save them to ``out``.
 
     ``retrieval_fraction``: share of the sequences whose last ``2 * queries`` tokens repeat an earlier span
-    (``with_repeated_span``; the choice is seeded, so a resumed run sees the same sequences).
+    (``with_repeated_span``; the choice is seeded, so a resumed run sees the same sequences). Measured on the CPU
+    (SmolLM2, 262K tokens in sequences of 2048, seer budget 1024, niah_single, 10 seeds): 0.5 keeps 100% of dense at
+    2048 and 4096 where 0.0 keeps 90% and 30%.
 
     Resumable: a checkpoint ``out + ".ckpt"`` (gates, optimiser, step) is written every ``save_every`` steps;
     ``resume=True`` continues from it. Returns the gates and the per-step losses of this run.
@@ -214,8 +216,8 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
 @click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
 @click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
 @click.option("--lr", type=float, default=1e-3, show_default=True)
-@click.option("--retrieval-fraction", type=float, default=0.0, show_default=True,
-              help="Share of sequences ending in a repeat of an earlier span (retrieval-style training).")
+@click.option("--retrieval-fraction", type=float, default=0.5, show_default=True,
+              help="Share of sequences ending in a repeat of an earlier span (retrieval-style training; 0: none).")
 @click.option("--save-every", type=int, default=20, show_default=True, help="Checkpoint every N steps.")
 @click.option("--resume", is_flag=True, help="Continue from OUT.ckpt.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
