@@ -49,7 +49,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
 
-    from retrofit.convert.distill import TrainingPaused
+    from retrofit.convert.distill import TrainingPaused, distributed
     from retrofit.convert.pipeline import convert
 
     start = time.time()
@@ -62,12 +62,10 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
                        parallel=parallel)
     except TrainingPaused as paused:
-        if distributed_rank() == 0:
+        if distributed()[0] == 0:
             _record_seconds(out, earlier + time.time() - start)
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
-    from retrofit.convert.distill import distributed
-
     if distributed()[0] == 0:
         import json
 
@@ -76,12 +74,6 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
         click.echo("|---|---|---|---:|---:|")
         click.echo(f"| {path} | {section['layer_type']} | {','.join(map(str, section['layers']))} | "
                    f"{section['distillation'].get('tokens')} | {(earlier + time.time() - start) / 60:.1f} |")
-
-
-def distributed_rank() -> int:
-    from retrofit.convert.distill import distributed
-
-    return distributed()[0]
 
 
 def _seconds_file(out: str):
