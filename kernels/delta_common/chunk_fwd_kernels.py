@@ -165,6 +165,18 @@ def _store_blk(ptr, i_bh, Tp, t0, I: tl.constexpr, J: tl.constexpr, x, BT: tl.co
 
 
 @triton.jit
+def _store_lower_product(ptr, block_stride, u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, x0, x1, x2, x3,
+                         PREC: tl.constexpr):
+    """Store T X for a block lower-triangular T (4 x 4 blocks u_IJ, J <= I) and X in 4 row blocks x_J; row block I
+    goes to ``ptr + I * block_stride`` (W = T (beta exp(G) k) and U = T (beta v) share this)."""
+    _store_cast(ptr, _dot(u00, x0, PREC), PREC)
+    _store_cast(ptr + block_stride, _dot(u10, x0, PREC) + _dot(u11, x1, PREC), PREC)
+    _store_cast(ptr + 2 * block_stride, _dot(u20, x0, PREC) + _dot(u21, x1, PREC) + _dot(u22, x2, PREC), PREC)
+    _store_cast(ptr + 3 * block_stride, _dot(u30, x0, PREC) + _dot(u31, x1, PREC) + _dot(u32, x2, PREC)
+                + _dot(u33, x3, PREC), PREC)
+
+
+@triton.jit
 def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      STORE_T: tl.constexpr, PREC: tl.constexpr, PREC_HI: tl.constexpr, BKW: tl.constexpr):
@@ -234,12 +246,8 @@ def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexp
         kg1 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + BC, ckb, K, BC, PER_CHANNEL), PREC)
         kg2 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + 2 * BC, ckb, K, BC, PER_CHANNEL), PREC)
         kg3 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + 3 * BC, ckb, K, BC, PER_CHANNEL), PREC)
-        wb = W + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :]
-        _store_cast(wb, _dot(u00, kg0, PREC), PREC)
-        _store_cast(wb + BC * K, _dot(u10, kg0, PREC) + _dot(u11, kg1, PREC), PREC)
-        _store_cast(wb + 2 * BC * K, _dot(u20, kg0, PREC) + _dot(u21, kg1, PREC) + _dot(u22, kg2, PREC), PREC)
-        _store_cast(wb + 3 * BC * K, _dot(u30, kg0, PREC) + _dot(u31, kg1, PREC) + _dot(u32, kg2, PREC)
-                    + _dot(u33, kg3, PREC), PREC)
+        _store_lower_product(W + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :], BC * K,
+                             u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, kg0, kg1, kg2, kg3, PREC)
         # KDA: k exp(G_last - G), the keys as they enter the state at the end of the chunk (for the state passes)
         if PER_CHANNEL:
             gl = tl.load(Gc + (i_bh * Tp + t0 + BT - 1) * K + ckb)
@@ -254,12 +262,8 @@ def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexp
         bv1 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0 + BC, cv, V, BC), PREC)
         bv2 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0 + 2 * BC, cv, V, BC), PREC)
         bv3 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0 + 3 * BC, cv, V, BC), PREC)
-        ub = U + (i_bh * Tp + t0 + oc[:, None]) * V + cv[None, :]
-        _store_cast(ub, _dot(u00, bv0, PREC), PREC)
-        _store_cast(ub + BC * V, _dot(u10, bv0, PREC) + _dot(u11, bv1, PREC), PREC)
-        _store_cast(ub + 2 * BC * V, _dot(u20, bv0, PREC) + _dot(u21, bv1, PREC) + _dot(u22, bv2, PREC), PREC)
-        _store_cast(ub + 3 * BC * V, _dot(u30, bv0, PREC) + _dot(u31, bv1, PREC) + _dot(u32, bv2, PREC)
-                    + _dot(u33, bv3, PREC), PREC)
+        _store_lower_product(U + (i_bh * Tp + t0 + oc[:, None]) * V + cv[None, :], BC * V,
+                             u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, bv0, bv1, bv2, bv3, PREC)
 
 
 @triton.jit
