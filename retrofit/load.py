@@ -92,7 +92,15 @@ def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
     else:
         path, gguf_file = _resolve_local_or_hub(source)
     model, tokenizer = _load_resolved(source, path, gguf_file, torch_dtype)
+    _ensure_pad_token(tokenizer)
     return model.to(torch_device).eval(), tokenizer
+
+
+def _ensure_pad_token(tokenizer) -> None:
+    """Batches of prompts of different lengths need a pad token; some tokenizers (SmolLM2's GGUF read by
+    transformers 5.17) come without one: pad with the end-of-sequence token then, as generate() would."""
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
 
 
 def _resolve_local_or_hub(source: str) -> tuple[str, str | None]:

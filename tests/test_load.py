@@ -1,6 +1,7 @@
 """retrofit.load on the real reference model: GGUF equivalence, alias cache, and one-line errors for bad input."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -42,6 +43,18 @@ def test_alias_is_the_reference_model(smollm2):
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
     assert config.hidden_size == 576 and config.max_position_embeddings == 8192
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_tokenizer_without_pad_token_pads_with_eos(smollm2):
+    # transformers 5.17 reads SmolLM2's GGUF tokenizer without a pad token (5.24 has one): batches must still pad
+    from retrofit.load import _ensure_pad_token
+
+    tokenizer = copy.deepcopy(smollm2[1])
+    tokenizer.pad_token = None
+    _ensure_pad_token(tokenizer)
+    assert tokenizer.pad_token == tokenizer.eos_token and tokenizer.pad_token_id == tokenizer.eos_token_id
+    batch = tokenizer(["a", "a longer prompt"], padding=True, return_tensors="pt")
+    assert batch.input_ids.shape[0] == 2 and int(batch.attention_mask[0].sum()) < batch.input_ids.shape[1]
 
 
 def test_dtype_and_device_are_applied():
