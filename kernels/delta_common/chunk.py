@@ -81,6 +81,10 @@ WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 2, "solve_wy_kda": 2, "state_f
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 8, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
 STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3}
+# _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
+# an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
+# in session 3, and 4 warps passed the V >= 64 shapes).
+OUTPUT_FEW_WARPS_MIN_BV = 64
 # tl.dot input precision for float32 operands: inputs in float32 use exact ("ieee") products;
 # for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
 FP32_INPUT_DOT_PRECISION = "ieee"
@@ -101,6 +105,13 @@ def _kw(name, per_channel=False):
         value = table.get(name + "_kda") if per_channel else None
         return value or table.get(name, default)
     return dict(num_warps=pick(WARPS, NUM_WARPS), num_stages=pick(STAGES, NUM_STAGES))
+
+
+def _output_kw(block_v):
+    kw = _kw("output")
+    if block_v < OUTPUT_FEW_WARPS_MIN_BV:
+        kw["num_warps"] = max(kw["num_warps"], 8)
+    return kw
 
 
 def _precisions(x):
@@ -177,7 +188,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel):
     _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], c["P"] if per_channel else c["Gc"], c["Hs"], c["Vp"], o,
                                           scale, T, c["Tp"], NT, H, Hq // H, K=K, V=V, BT=CHUNK, BV=BV,
                                           PER_CHANNEL=per_channel, PREC=c["p"]("output"),
-                                          **_kw("output"))
+                                          **_output_kw(BV))
     return o, c["hT"], ((c["Gc"], c["M"], c["P"]) if per_channel else None)
 
 
