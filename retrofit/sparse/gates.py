@@ -156,7 +156,8 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     ``position_offsets``: shift each sequence's positions by a random offset (seeded) within the model's maximum
     length. The gates read post-RoPE queries and keys, so gates trained at the positions of one sequence length
     learn those rotations and do not carry to others: measured on the CPU, gates trained on sequences of 2048 that
-    keep 100% of dense on niah_single@2048 keep 10% when the same prompts sit at positions 5952-8000 (dense 100%).
+    keep 100% of dense on niah_single@2048 keep 10% when the same prompts sit at positions 5952-8000 (dense 100%);
+    trained with offsets they keep 100% there. Prompts much longer than ``seq_len`` still need longer sequences.
 
     Resumable: a checkpoint ``out + ".ckpt"`` (gates, optimiser, step) is written every ``save_every`` steps;
     ``resume=True`` continues from it. Returns the gates and the per-step losses of this run.
@@ -234,7 +235,7 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
 @click.option("--retrieval-fraction", type=float, default=0.5, show_default=True,
               help="Share of sequences ending in a repeat of an earlier span (retrieval-style training; 0: none).")
 @click.option("--position-offsets/--no-position-offsets", default=True, show_default=True,
-              help="Start each training sequence at a random position (gates then carry across prompt lengths).")
+              help="Start each training sequence at a random position (gates then carry to other positions).")
 @click.option("--save-every", type=int, default=20, show_default=True, help="Checkpoint every N steps.")
 @click.option("--resume", is_flag=True, help="Continue from OUT.ckpt.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
