@@ -13,8 +13,8 @@ inside the chunk (fp32), and the decayed products (scalar decay: E_ij = exp(G_i 
     S <- exp(G_last) S + (k exp(G_last - G))^T V'
 Only differences G_i - G_j with j <= i (and G_last - G_i) are ever exponentiated. For KDA the
 per-channel products are formed per sub-chunk of BC rows against a reference row of G inside the
-sub-chunk (both factors then have non-positive exponents); the BC x BC diagonal blocks are formed
-column by column.
+sub-chunk (both factors then have non-positive exponents); the BC x BC diagonal blocks elementwise, all row
+pairs at once, from the decays exp(-|G_i - G_j|) of a [BC, BC, key block] tensor (chunk_common._kda_diag_decay).
 
 Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query heads, NS = BT / BC):
   forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT*NS, NG, bh] (M and P together, sharing the exps)
@@ -25,7 +25,9 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
             (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [NT*NS, bh]
             -> _rev_cumsum [NT, bh] (dg from dG)
 The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_dqk, _bwd_wy, _kda_intra_bwd)
-take K in blocks (KDA_BK, WY_BK, BWD_DQK_BK, BWD_WY_BK, KDA_BWD_BK) to keep their register tiles small.
+take K in blocks (KDA_BK and KDA_DIAG_BK, WY_BK, BWD_DQK_BK, BWD_WY_BK, KDA_BWD_BK) to keep their register tiles
+small; the KDA sub-chunk kernels loop over K twice, the off-diagonal sub-blocks first and then the diagonal
+block, so that the tiles of one are not live during the other.
 Intermediates live in padded buffers [B, H, NT*BT, ...]; padded rows have k = v = q = beta = 0 and g = 0,
 which makes them exact no-ops.
 
@@ -38,7 +40,8 @@ Precision (PREC of the products; _precisions):
     KDA's decayed sub-chunk products and T's block merges use TF32 (PREC_HI). Under the CPU interpreter, whose
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
-Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90.
+Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
+(except _kda_intra at its measured-fastest 2 warps; see WARPS).
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 
@@ -61,7 +64,8 @@ CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
 BLOCK_V = 32        # BV: value-dimension block of the sequential state kernels and the backward chunk kernels
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
-KDA_BK = 32         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra
+KDA_BK = 32         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks)
+KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC, BC] terms at once)
 WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 BWD_DQK_BK = 32     # key-dimension block of _bwd_dqk
@@ -72,7 +76,8 @@ KDA_KEEP_INTRA_FOR_BACKWARD = True
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
-# forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage). The forward
+# forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage), but for
+# _kda_intra at 2 warps (128 bytes of stack; none at 4 warps; offline compile, triton 3.9). The forward
 # entries come from `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel
 # varied at a time, 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda
 # 8 -> 2 warps and 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428),
@@ -159,7 +164,8 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                        BK=min(KDA_BK, K), PREC=prec_hi, **_kw("kda_intra"))
+                                                        BK=min(KDA_BK, K), DBK=min(KDA_DIAG_BK, K), PREC=prec_hi,
+                                                        **_kw("kda_intra"))
     Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if for_backward else None
     W = torch.empty(B, H, Tp, K, device=dev, dtype=dt("W"))
     U = torch.empty(B, H, Tp, V, device=dev, dtype=dt("U"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _chunk_rows, _dot, _gdn_decay, _kda_diag_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -278,11 +278,12 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
 def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP) for the rows
-    of one sub-chunk, in their row role (i: reference row r0) and their column role (j: reference row
-    r0 + BC - 1); the diagonal block elementwise, one row/column at a time. Adds into dq, dk and dG.
-    K in blocks of BK (every term is per channel, so the blocks are independent; smaller register tiles); the
-    diagonal block's exps exp(-|G_i - G_j|) are evaluated once per column for M and P together (M's terms ride
-    along with the first query head of the group)."""
+    of one sub-chunk, in their row role (i) and their column role (j). Adds into dq, dk and dG, in two passes over K
+    in blocks of BK (every term is per channel, so the blocks are independent): first the off-diagonal sub-blocks
+    (one tl.dot each against a reference row, r0 for the row role and r0 + BC - 1 for the column role, both
+    exponents <= 0), then the BC x BC diagonal block elementwise, as [BC, BC, BK] terms whose decays
+    exp(-|G_i - G_j|) are evaluated once per key block for M and every query head of the group. Apart, the two
+    passes keep fewer registers live than together."""
     NS: tl.constexpr = BT // BC
     i_tc = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -304,65 +305,61 @@ def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.cons
     jm = (ra < r0)[:, None]
     im = (ra > r1)[:, None]
     mb = dM + i_bh * Tp * BT
-    dm_i = tl.load(mb + ri[:, None] * BT + la[None, :])
-    dm_c = tl.load(mb + ra[:, None] * BT + lb[None, :])
-    for kk in range(0, K, BK):
-        ck = kk + tl.arange(0, BK)
-        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
-        G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
-        g_r = tl.load(Gb + r0 * K + ck)
-        g_r1 = tl.load(Gb + r1 * K + ck)
-        k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
-        e_i = tl.exp(G_i - g_r[None, :])
-        e_c = tl.exp(g_r1[None, :] - G_i)
-        k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
-        e_a1 = tl.exp(tl.where(im, G_a - g_r1[None, :], 0.))
-        k_c1 = tl.where(im, k_a * e_a1, 0.)
-        # M: row role  dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);  column role  dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
-        dkr = e_i * _dot(dm_i, k_r, PREC)
-        dkc = e_c * _dot(tl.trans(dm_c), k_c1, PREC)
-        dk_add = tl.zeros([BC, BK], dtype=tl.float32)
-        dg_add = tl.zeros([BC, BK], dtype=tl.float32)
-        for iq in range(NG):
-            i_hq = i_h * NG + iq
-            qb = q + (i_b * T * Hq + i_hq) * K
-            pb = dP + (i_b * Hq + i_hq) * Tp * BT
-            q_i = tl.load(qb + ri[:, None] * (Hq * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
-            q_a = tl.load(qb + ra[:, None] * (Hq * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
-            q_c1 = tl.where(im, q_a * e_a1, 0.)
-            dp_i = tl.load(pb + ri[:, None] * BT + la[None, :])
-            dp_c = tl.load(pb + ra[:, None] * BT + lb[None, :])
-            dqb = e_i * _dot(dp_i, k_r, PREC)
-            dkb = e_c * _dot(tl.trans(dp_c), q_c1, PREC)
-            with_m = (oc * 0 + iq) == 0                                  # M's diagonal terms: first head only
-            for jj in range(BC):
-                j = r0 + jj
-                jin = (ck * 0 + j) < T
-                k_j = tl.load(kb + j * (H * K) + ck, mask=jin, other=0.).to(tl.float32)
-                q_j = tl.load(qb + j * (Hq * K) + ck, mask=jin, other=0.).to(tl.float32)
-                g_j = tl.load(Gb + j * K + ck)
-                # exp(-|G_i - G_j|): exp(G_i - G_j) on rows i >= j, exp(G_j - G_i) on rows i <= j
-                ex = tl.exp(tl.where((ri >= j)[:, None], G_i - g_j[None, :], g_j[None, :] - G_i))
-                kx = k_j[None, :] * ex
-                mcol = tl.load(mb + ri * BT + (j - t0), mask=with_m, other=0.)   # dM[i, j] (0 for i <= j)
-                mrow = tl.load(mb + j * BT + lb, mask=with_m, other=0.)          # dM[j, i] (0 for i >= j)
-                pcol = tl.load(pb + ri * BT + (j - t0))                         # dP[i, j] (0 for i < j)
-                prow = tl.load(pb + j * BT + lb)                                # dP[j, i] (0 for i > j)
-                dkr += mcol[:, None] * kx
-                dkc += mrow[:, None] * kx
-                dqb += pcol[:, None] * kx
-                dkb += prow[:, None] * q_j[None, :] * ex
-            dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
-            tl.store(dq_ptr, tl.load(dq_ptr, mask=imask, other=0.) + dqb, mask=imask)
-            dk_add += dkb
-            dg_add += q_i * dqb - k_i * dkb
-        dk_add += dkr + dkc
-        dg_add += k_i * (dkr - dkc)
-        dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
-        tl.store(dk_ptr, tl.load(dk_ptr, mask=imask, other=0.) + dk_add, mask=imask)
-        dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
-        tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
+    for DIAG in tl.static_range(2):
+        if DIAG:
+            tl.debug_barrier()  # this pass adds into the dq, dk, dG entries that other threads stored in the first
+        for kk in range(0, K, BK):
+            ck = kk + tl.arange(0, BK)
+            G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+            k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            # M: row role  dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);  column role  dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
+            if DIAG:
+                # terms [s, t, c] of the diagonal block, reduced over their first row s, which lies within each
+                # thread (no shuffles); the decays are symmetric in s and t, so the row roles take dM, dP transposed
+                dec = _kda_diag_decay(G_i, BC, False)
+                kx = k_i[:, None, :] * dec
+                dm_st = tl.load(mb + ri[:, None] * BT + lb[None, :])[:, :, None]          # 0 for t >= s
+                dm_ts = tl.load(mb + ri[None, :] * BT + lb[:, None])[:, :, None]
+                dkr = tl.sum(dm_ts * kx, 0)
+                dkc = tl.sum(dm_st * kx, 0)
+            else:
+                G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+                g_r = tl.load(Gb + r0 * K + ck)
+                g_r1 = tl.load(Gb + r1 * K + ck)
+                k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+                e_i = tl.exp(G_i - g_r[None, :])
+                e_c = tl.exp(g_r1[None, :] - G_i)
+                k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
+                e_a1 = tl.exp(tl.where(im, G_a - g_r1[None, :], 0.))
+                k_c1 = tl.where(im, k_a * e_a1, 0.)
+                dkr = e_i * _dot(tl.load(mb + ri[:, None] * BT + la[None, :]), k_r, PREC)
+                dkc = e_c * _dot(tl.trans(tl.load(mb + ra[:, None] * BT + lb[None, :])), k_c1, PREC)
+            dk_add = dkr + dkc
+            dg_add = k_i * (dkr - dkc)
+            for iq in range(NG):
+                i_hq = i_h * NG + iq
+                qb = q + (i_b * T * Hq + i_hq) * K
+                pb = dP + (i_b * Hq + i_hq) * Tp * BT
+                q_i = tl.load(qb + ri[:, None] * (Hq * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+                # P: row role  dq_i = sum_{j<=i} dP_ij k_j exp(G_i - G_j);  column role  dk_j = sum_{i>=j} dP_ij q_i exp(G_i - G_j)
+                if DIAG:
+                    dp_st = tl.load(pb + ri[:, None] * BT + lb[None, :])[:, :, None]      # 0 for t > s
+                    dp_ts = tl.load(pb + ri[None, :] * BT + lb[:, None])[:, :, None]
+                    dqb = tl.sum(dp_ts * kx, 0)
+                    dkb = tl.sum(dp_st * (q_i[:, None, :] * dec), 0)
+                else:
+                    q_a = tl.load(qb + ra[:, None] * (Hq * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+                    q_c1 = tl.where(im, q_a * e_a1, 0.)
+                    dqb = e_i * _dot(tl.load(pb + ri[:, None] * BT + la[None, :]), k_r, PREC)
+                    dkb = e_c * _dot(tl.trans(tl.load(pb + ra[:, None] * BT + lb[None, :])), q_c1, PREC)
+                dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
+                tl.store(dq_ptr, tl.load(dq_ptr, mask=imask, other=0.) + dqb, mask=imask)
+                dk_add += dkb
+                dg_add += q_i * dqb - k_i * dkb
+            dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
+            tl.store(dk_ptr, tl.load(dk_ptr, mask=imask, other=0.) + dk_add, mask=imask)
+            dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
+            tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _chunk_rows, _dot, _gdn_decay, _kda_diag_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -25,11 +25,12 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 @triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, DBK: tl.constexpr, PREC: tl.constexpr):
     """KDA: rows [r0, r0 + BC) of M (x = k, j < i) and of P for query head iq of the group (x = q, j <= i),
     M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), in one program so that both share every exp: the decayed
-    keys of the off-diagonal sub-blocks (one tl.dot each against the reference row r0, both exponents <= 0) and
-    the BC x BC diagonal block, column by column. M is stored by the iq = 0 program; K in blocks of BK."""
+    keys of the off-diagonal sub-blocks (one tl.dot each against the reference row r0, both exponents <= 0; K in
+    blocks of BK) and then the BC x BC diagonal block, as [DBK, BC, BC] terms reduced over the channels (K in
+    blocks of DBK; apart, the two loops keep fewer registers live). M is stored by the iq = 0 program."""
     NS: tl.constexpr = BT // BC
     i_tc, iq = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -44,6 +45,7 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     la = tl.arange(0, BT)
     lb = i_i * BC + oc
     imask = (ri < T)[:, None]
+    imask_t = (ri < T)[None, :]
     amask = (ra < T)[:, None]
     Gb = Gc + i_bh * Tp * K
     kb = k + (i_b * T * H + i_h) * K
@@ -65,18 +67,18 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
         e_i = tl.exp(G_i - g_r[None, :])
         accm += _dot(k_i * e_i, k_r, PREC)
         accp += _dot(q_i * e_i, k_r, PREC)
-        # diagonal block, one column j at a time: kx_i = k_j exp(G_i - G_j) on rows i >= j
-        for jj in range(BC):
-            j = r0 + jj
-            k_j = tl.load(kb + j * (H * K) + ck, mask=(ck * 0 + j) < T, other=0.).to(tl.float32)
-            g_j = tl.load(Gb + j * K + ck)
-            le = (ri >= j)[:, None]
-            kx = tl.where(le, k_j[None, :] * tl.exp(tl.where(le, G_i - g_j[None, :], 0.)), 0.)
-            colm = tl.where(ri > j, tl.sum(k_i * kx, 1), 0.)
-            colp = tl.sum(q_i * kx, 1)
-            sel = oc[None, :] == jj
-            accdm += tl.where(sel, colm[:, None], 0.)
-            accdp += tl.where(sel, colp[:, None], 0.)
+    # the diagonal block: terms [c, i, j] summed over the channels c, which lie within each thread (no shuffles)
+    for kk in range(0, K, DBK):
+        cd = kk + tl.arange(0, DBK)
+        G_t = tl.load(Gb + ri[None, :] * K + cd[:, None])
+        k_t = tl.load(kb + ri[None, :] * (H * K) + cd[:, None], mask=imask_t, other=0.).to(tl.float32)
+        q_t = tl.load(qb + ri[None, :] * (Hq * K) + cd[:, None], mask=imask_t, other=0.).to(tl.float32)
+        kx = k_t[:, None, :] * _kda_diag_decay(G_t, BC, True)     # k_jc exp(-|G_ic - G_jc|)
+        accdm += tl.sum(k_t[:, :, None] * kx, 0)
+        accdp += tl.sum(q_t[:, :, None] * kx, 0)
+    # the diagonal block's upper part (j > i, decays exp(G_j - G_i)) is not in M or P
+    accdm = tl.where(oc[:, None] > oc[None, :], accdm, 0.)
+    accdp = tl.where(oc[:, None] >= oc[None, :], accdp, 0.)
     offd = (la < i_i * BC) | (la >= i_i * BC + BC)
     mo = M + (i_bh * Tp + ri) * BT
     first = (oc * 0 + iq) == 0
