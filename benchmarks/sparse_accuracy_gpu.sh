@@ -12,8 +12,9 @@
 #     MODEL      smollm2-135m (alias) or a model / hybrid directory
 #     CALIB_DIR  calibration text for the gates (../shared/data/calib)
 #     CONTEXTS   space-separated prompt lengths (default "2048 4096 8000")
-#   GATE_TOKENS / GATE_SEQ_LEN: gate training (default 1048576 tokens in sequences of 2048, the last 64 positions
-#   of each as decode queries, half the sequences ending in a repeated span: `retrofit gates --retrieval-fraction`).
+#   GATE_TOKENS / GATE_SEQ_LEN / GATE_MIN_SEQ_LEN: gate training (default 1048576 tokens in sequences of 2048, or of
+#   lengths drawn between GATE_MIN_SEQ_LEN and GATE_SEQ_LEN, each starting at a random position; the last 64
+#   positions of each as decode queries, half the sequences ending in a repeated span: `retrofit gates`).
 # Results: $OUT/gates.log, $OUT/sparse_eval_CTX_{main,retrieval,seer}.json (+ .log) and the printed tables.
 set -euo pipefail
 model=${1:?MODEL}
@@ -43,7 +44,7 @@ evaluate() {  # context part
 }
 for ctx in $contexts; do evaluate "$ctx" main; evaluate "$ctx" retrieval; done
 [ -f "$gates" ] || CUDA_VISIBLE_DEVICES=${gpus[0]} retrofit gates "$model" --data "$calib" \
-  --tokens "${GATE_TOKENS:-1048576}" --seq-len "${GATE_SEQ_LEN:-2048}" --queries 64 --out "$gates" --device cuda \
+  --tokens "${GATE_TOKENS:-1048576}" --seq-len "${GATE_SEQ_LEN:-2048}" --min-seq-len "${GATE_MIN_SEQ_LEN:-${GATE_SEQ_LEN:-2048}}" --queries 64 --out "$gates" --device cuda \
   --dtype bfloat16 2>&1 | tr '\r' '\n' | grep -v "%|" | tail -3 | tee "$out/gates.log"
 for ctx in $contexts; do evaluate "$ctx" seer; done
 wait

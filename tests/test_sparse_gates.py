@@ -39,7 +39,7 @@ def test_train_gates_learns_resumes_and_saves_atomically(smollm2, calib_data_dir
     # learning: on a held-out chunk (the 6th), the trained gates match the block-pooled attention better than
     # freshly initialised ones. Observed: KL 1.07 nat at init, 0.54 after these 2 steps; requiring a 20% drop
     # leaves a wide margin while an untrained or mis-wired gate (no drop) fails
-    held_out = calibration_chunks(tokenizer, data, 6 * 128, 128)[5]
+    held_out = calibration_chunks(tokenizer, data, [128] * 6)[5]
     torch.manual_seed(0)
     fresh = SeerGates(**loaded.config)
     assert _kl_on(model, loaded, held_out) < 0.8 * _kl_on(model, fresh, held_out)
@@ -85,8 +85,8 @@ def test_training_sequences_start_at_seeded_random_positions(smollm2, calib_data
 
     model, tokenizer = smollm2
     config = model.config
-    offsets = position_offsets_for(50, 128, config, seed=0)
-    assert offsets == position_offsets_for(50, 128, config, seed=0)  # seeded: a resumed run sees the same ones
+    offsets = position_offsets_for([128] * 50, config, seed=0)
+    assert offsets == position_offsets_for([128] * 50, config, seed=0)  # seeded: a resumed run sees the same ones
     assert all(0 <= o <= 8192 - 128 for o in offsets) and len(set(offsets)) > 40
     assert max(offsets) > 4096 > min(offsets)
     starts = []
@@ -103,4 +103,45 @@ def test_training_sequences_start_at_seeded_random_positions(smollm2, calib_data
                     position_offsets=False, **SETTINGS)
     finally:
         del model.forward
-    assert starts == position_offsets_for(2, 128, config, seed=0) + [0, 0]
+    assert starts == position_offsets_for([128] * 2, config, seed=0) + [0, 0]
+
+
+def test_sequence_lengths_between_min_and_max_cover_the_tokens(smollm2, calib_data_dir, tmp_path):
+    # GPU table (session 5): gates trained on sequences of 4096 keep 45% of dense on niah_single@8000; prompts that
+    # long need long training sequences, which still have to start at varied positions (see above)
+    from retrofit.sparse.gates import position_offsets_for, sequence_lengths
+
+    lengths = sequence_lengths(10_000, 512, 128, 64, seed=0)
+    assert lengths == sequence_lengths(10_000, 512, 128, 64, seed=0)  # seeded: resume sees the same sequences
+    assert all(length % 64 == 0 and 128 <= length <= 512 for length in lengths)
+    assert len(set(lengths)) >= 5 and sum(lengths) - max(lengths) < 10_000 <= sum(lengths)
+    assert sequence_lengths(1000, 256, None, 64, seed=0) == [256] * 4
+    model, tokenizer = smollm2
+    offsets = position_offsets_for(lengths, model.config, seed=0)
+    assert all(0 <= o <= 8192 - length for o, length in zip(offsets, lengths))
+    seen = []
+    forward = model.forward
+
+    def recording_forward(ids, **kwargs):
+        seen.append((ids.shape[1], int(kwargs["position_ids"][0, 0])))
+        return forward(ids, **kwargs)
+
+    model.forward = recording_forward
+    try:
+        train_gates(model, tokenizer, [calib_data_dir / "dracula.txt"], 300, tmp_path / "a.gates",
+                    **dict(SETTINGS, min_seq_len=32))
+    finally:
+        del model.forward
+    expected = sequence_lengths(300, 128, 32, 16, seed=0)
+    assert [length for length, _ in seen] == expected
+    assert [start for _, start in seen] == position_offsets_for(expected, model.config, seed=0)
+
+
+def test_min_seq_len_out_of_range_is_one_line(smollm2, calib_data_dir, tmp_path):
+    import pytest
+
+    from retrofit.errors import RetrofitError
+
+    model, tokenizer = smollm2
+    with pytest.raises(RetrofitError, match="--min-seq-len 2048 must be .* at most --seq-len 1024"):
+        train_gates(model, tokenizer, [calib_data_dir], 4096, tmp_path / "g.gates", min_seq_len=2048)

@@ -92,24 +92,39 @@ def capture_gate_losses(model, gates: SeerGates, queries: int) -> Iterator[list[
         ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
 
 
-def calibration_chunks(tokenizer, files: list[Path], tokens: int, seq_len: int) -> list[torch.Tensor]:
-    """Token chunks [seq_len] from the text files (read in order), enough to cover ``tokens`` tokens."""
+def sequence_lengths(tokens: int, seq_len: int, min_seq_len: int | None, block_size: int, seed: int) -> list[int]:
+    """Lengths of the training sequences, covering ``tokens`` tokens: all ``seq_len``, or (``min_seq_len`` below it)
+    seeded multiples of ``block_size`` drawn uniformly from [min_seq_len, seq_len]."""
+    if min_seq_len is None or min_seq_len >= seq_len:
+        return [seq_len] * -(-tokens // seq_len)
+    picker = random.Random(seed + 3)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(picker.randint(min_seq_len // block_size, seq_len // block_size) * block_size)
+    return lengths
+
+
+def calibration_chunks(tokenizer, files: list[Path], lengths: list[int]) -> list[torch.Tensor]:
+    """Token chunks of the given ``lengths`` (in order), cut one after another from the text files (read in order)."""
     paths: list[Path] = []
     for item in files:
         item = Path(item)
         paths.extend(sorted(p for p in item.rglob("*.txt")) if item.is_dir() else [item])
     if not paths:
         raise RetrofitError("--data: no .txt files found")
-    needed = -(-tokens // seq_len)
     chunks: list[torch.Tensor] = []
     for path in paths:
         ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt").input_ids[0]
-        chunks.extend(ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len))
-        if len(chunks) >= needed:
+        start = 0
+        while len(chunks) < len(lengths) and start + lengths[len(chunks)] <= len(ids):
+            chunks.append(ids[start : start + lengths[len(chunks)]])
+            start += chunks[-1].shape[0]
+        if len(chunks) == len(lengths):
             break
-    if len(chunks) < needed:
-        raise RetrofitError(f"--data holds {len(chunks) * seq_len} tokens in chunks of {seq_len}; --tokens asks {tokens}")
-    return chunks[:needed]
+    if len(chunks) < len(lengths):
+        raise RetrofitError(f"--data holds {sum(c.shape[0] for c in chunks)} tokens in whole training sequences; "
+                            f"--tokens asks {sum(lengths)}")
+    return chunks
 
 
 def with_repeated_span(chunk: torch.Tensor, span: int, rng: random.Random) -> torch.Tensor:
@@ -129,11 +144,12 @@ def with_repeated_span(chunk: torch.Tensor, span: int, rng: random.Random) -> to
     return out
 
 
-def position_offsets_for(count: int, seq_len: int, config, seed: int) -> list[int]:
-    """``count`` seeded offsets in [0, max_position_embeddings - seq_len]: where each training sequence starts."""
-    room = max((getattr(config, "max_position_embeddings", None) or seq_len) - seq_len, 0)
+def position_offsets_for(lengths: list[int], config, seed: int) -> list[int]:
+    """Seeded start positions of the training sequences of these lengths, each in [0, max_position_embeddings -
+    length]."""
     picker = random.Random(seed + 2)
-    return [picker.randint(0, room) for _ in range(count)]
+    limit = getattr(config, "max_position_embeddings", None)
+    return [picker.randint(0, max((limit or length) - length, 0)) for length in lengths]
 
 
 def _atomic_save(payload: dict, path: Path) -> None:
@@ -145,7 +161,8 @@ def _atomic_save(payload: dict, path: Path) -> None:
 def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, seq_len: int = 1024,
                 block_size: int = 64, hidden: int = 128, queries: int = 16, lr: float = 1e-3, save_every: int = 20,
                 resume: bool = False, seed: int = 0, progress: bool = True,
-                retrieval_fraction: float = 0.5, position_offsets: bool = True) -> tuple[SeerGates, list[float]]:
+                retrieval_fraction: float = 0.5, position_offsets: bool = True,
+                min_seq_len: int | None = None) -> tuple[SeerGates, list[float]]:
     """Train decode gates for every softmax-attention layer of ``model`` (frozen); save them to ``out``.
 
     ``retrieval_fraction``: share of the sequences whose last ``2 * queries`` tokens repeat an earlier span
@@ -159,11 +176,17 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     keep 100% of dense on niah_single@2048 keep 10% when the same prompts sit at positions 5952-8000 (dense 100%);
     trained with offsets they keep 100% there. Prompts much longer than ``seq_len`` still need longer sequences.
 
+    ``min_seq_len``: sequence lengths drawn (seeded) between it and ``seq_len`` instead of all ``seq_len``: with
+    offsets, long sequences (the query-to-key distances of long prompts) still start at varied positions.
+
     Resumable: a checkpoint ``out + ".ckpt"`` (gates, optimiser, step) is written every ``save_every`` steps;
     ``resume=True`` continues from it. Returns the gates and the per-step losses of this run.
     """
     if seq_len % block_size or seq_len < 2 * block_size:
         raise RetrofitError(f"--seq-len {seq_len} must be a multiple of --block-size {block_size} and at least two blocks")
+    if min_seq_len is not None and (min_seq_len % block_size or not 2 * block_size <= min_seq_len <= seq_len):
+        raise RetrofitError(f"--min-seq-len {min_seq_len} must be a multiple of --block-size {block_size}, at least two "
+                            f"blocks and at most --seq-len {seq_len}")
     if not 1 <= queries <= block_size:
         raise RetrofitError(f"--queries {queries} must be between 1 and --block-size {block_size}")
     if tokens <= 0:
@@ -194,12 +217,13 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
         gates.load_state_dict(state["gates"])
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
-    chunks = calibration_chunks(tokenizer, files, tokens, seq_len)
+    chunks = calibration_chunks(tokenizer, files, sequence_lengths(tokens, seq_len, min_seq_len, block_size, seed))
     if retrieval_fraction > 0:
         picker = random.Random(seed + 1)
         chunks = [with_repeated_span(c, 2 * queries, picker) if picker.random() < retrieval_fraction else c
                   for c in chunks]
-    offsets = position_offsets_for(len(chunks), seq_len, config, seed) if position_offsets else [0] * len(chunks)
+    lengths = [chunk.shape[0] for chunk in chunks]
+    offsets = position_offsets_for(lengths, config, seed) if position_offsets else [0] * len(chunks)
     model.eval().requires_grad_(False)
     losses: list[float] = []
     bar = tqdm(range(start, len(chunks)), initial=start, total=len(chunks), desc="gates", disable=not progress)
@@ -227,7 +251,9 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
               help="Text file(s) or folder(s) of .txt files (e.g. ../shared/data/calib). Repeatable.")
 @click.option("--tokens", type=int, default=262_144, show_default=True, help="Calibration tokens to train on.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Gate file to write (atomically).")
-@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True, help="Training sequence length (the longest).")
+@click.option("--min-seq-len", type=int, default=None,
+              help="Draw each sequence's length between this and --seq-len (default: all --seq-len).")
 @click.option("--block-size", type=int, default=64, show_default=True, help="Tokens per gated KV block.")
 @click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
 @click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
@@ -240,7 +266,7 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
 @click.option("--resume", is_flag=True, help="Continue from OUT.ckpt.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--dtype", default="float32", show_default=True, help="Dtype of the frozen base model.")
-def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries, lr, retrieval_fraction,
+def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hidden, queries, lr, retrieval_fraction,
                   position_offsets, save_every, resume, device, dtype):
     """Train SeerAttention decode gates for MODEL (frozen) on calibration text.
 
@@ -259,7 +285,8 @@ def gates_command(model, data, tokens, out, seq_len, block_size, hidden, queries
     lm, tokenizer = retrofit.load(model, dtype=dtype, device=device)
     _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
                             hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume,
-                            retrieval_fraction=retrieval_fraction, position_offsets=position_offsets)
+                            retrieval_fraction=retrieval_fraction, position_offsets=position_offsets,
+                            min_seq_len=min_seq_len)
     if losses:
         click.echo(f"gates saved to {out} (KL per layer: first step {losses[0]:.4f}, last step {losses[-1]:.4f})")
     else:
