@@ -14,7 +14,8 @@
 #     CONTEXTS   space-separated prompt lengths (default "2048 4096 8000")
 #   GATE_TOKENS / GATE_SEQ_LEN / GATE_MIN_SEQ_LEN: gate training (default 1048576 tokens in sequences of 2048, or of
 #   lengths drawn between GATE_MIN_SEQ_LEN and GATE_SEQ_LEN, each starting at a random position; the last 64
-#   positions of each as decode queries, half the sequences ending in a repeated span: `retrofit gates`).
+#   positions of each as decode queries, half the sequences ending in a repeated span: `retrofit gates`);
+#   GATE_BLOCK_SIZE: tokens per gated block (default 64, the authors'; decode queries per sequence: min(64, it)).
 # Results: $OUT/gates.log, $OUT/sparse_eval_CTX_{main,retrieval,seer}.json (+ .log) and the printed tables.
 set -euo pipefail
 model=${1:?MODEL}
@@ -44,7 +45,8 @@ evaluate() {  # context part
 }
 for ctx in $contexts; do evaluate "$ctx" main; evaluate "$ctx" retrieval; done
 [ -f "$gates" ] || CUDA_VISIBLE_DEVICES=${gpus[0]} retrofit gates "$model" --data "$calib" \
-  --tokens "${GATE_TOKENS:-1048576}" --seq-len "${GATE_SEQ_LEN:-2048}" --min-seq-len "${GATE_MIN_SEQ_LEN:-${GATE_SEQ_LEN:-2048}}" --queries 64 --out "$gates" --device cuda \
+  --tokens "${GATE_TOKENS:-1048576}" --seq-len "${GATE_SEQ_LEN:-2048}" --min-seq-len "${GATE_MIN_SEQ_LEN:-${GATE_SEQ_LEN:-2048}}" \
+  --block-size "${GATE_BLOCK_SIZE:-64}" --queries "$(( ${GATE_BLOCK_SIZE:-64} < 64 ? ${GATE_BLOCK_SIZE:-64} : 64 ))" --out "$gates" --device cuda \
   --dtype bfloat16 2>&1 | tr '\r' '\n' | grep -v "%|" | tail -3 | tee "$out/gates.log"
 for ctx in $contexts; do evaluate "$ctx" seer; done
 wait
