@@ -233,7 +233,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
                                 dG, dM, T, Tp, H, K=K, V=V, BT=BT, BV=BV, BK=min(BWD_WY_BK, K), PER_CHANNEL=per_channel,
                                 PREC=c["p"]("bwd_wy"), **_kw("bwd_wy"))
     if per_channel:
-        _kda_intra_bwd_kernel[(NT * (BT // BC), B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+        _kda_intra_bwd_kernel[(K // min(KDA_BWD_BK, K), NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
                                                         BK=min(KDA_BWD_BK, K), PREC=c["prec_hi"],
                                                         **_kw("kda_intra_bwd"))
     dg = torch.empty(g.shape, device=dev, dtype=f32)

@@ -277,89 +277,100 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
 @triton.jit
 def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP) for the rows
-    of one sub-chunk, in their row role (i) and their column role (j). Adds into dq, dk and dG, in two passes over K
-    in blocks of BK (every term is per channel, so the blocks are independent): first the off-diagonal sub-blocks
-    (one tl.dot each against a reference row, r0 for the row role and r0 + BC - 1 for the column role, both
-    exponents <= 0), then the BC x BC diagonal block elementwise, as [BC, BC, BK] terms whose decays
-    exp(-|G_i - G_j|) are evaluated once per key block for M and every query head of the group. Apart, the two
-    passes keep fewer registers live than together."""
+    """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP), in their row role (i)
+    and their column role (j); adds them into dq, dk and dG.
+        M: row role  dk_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);   column role  dk_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
+        P: row role  dq_i = sum_{j<=i} dP_ij k_j exp(G_i - G_j);  column role  dk_j = sum_{i>=j} dP_ij q_i exp(G_i - G_j)
+        dG_i = k_i (dk_i row - dk_i column) + q_i dq_i - k_i dk_i (P column)   (per channel)
+    One program per (key block of BK channels, chunk): every term is per channel, so the key blocks are
+    independent. The chunk's [BT, BK] tiles of G and k are loaded once, and the NS = BT / BC sub-chunks are
+    unrolled; each sub-chunk's rows get all their terms in registers and one read-modify-write of dq, dk, dG.
+    Off-diagonal sub-blocks: one tl.dot each against a reference row of the sub-chunk (its first row r0 for the
+    row role, its last row r1 for the column role; every exponent <= 0); the first sub-chunk has no row-role and
+    the last no column-role off-diagonal terms. The BC x BC diagonal block: elementwise, as [BC, BC, BK] terms
+    whose decays exp(-|G_i - G_j|) are evaluated once for M and every query head of the group."""
     NS: tl.constexpr = BT // BC
-    i_tc = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_k, i_t = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     Hq = H * NG
-    i_t, i_i = i_tc // NS, i_tc % NS
     t0 = i_t * BT
-    r0 = t0 + i_i * BC
-    r1 = r0 + BC - 1
+    ck = i_k * BK + tl.arange(0, BK)
     oc = tl.arange(0, BC)
-    ri = r0 + oc
-    ra = t0 + tl.arange(0, BT)
-    lb = i_i * BC + oc
     la = tl.arange(0, BT)
-    imask = (ri < T)[:, None]
+    ra = t0 + la
     amask = (ra < T)[:, None]
     Gb = Gc + i_bh * Tp * K
     kb = k + (i_b * T * H + i_h) * K
-    jm = (ra < r0)[:, None]
-    im = (ra > r1)[:, None]
     mb = dM + i_bh * Tp * BT
-    for DIAG in tl.static_range(2):
-        if DIAG:
-            tl.debug_barrier()  # this pass adds into the dq, dk, dG entries that other threads stored in the first
-        for kk in range(0, K, BK):
-            ck = kk + tl.arange(0, BK)
-            G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
-            k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
-            # M: row role  dkr_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);  column role  dkc_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
-            if DIAG:
-                # terms [s, t, c] of the diagonal block, reduced over their first row s, which lies within each
-                # thread (no shuffles); the decays are symmetric in s and t, so the row roles take dM, dP transposed
-                dec = _kda_diag_decay(G_i, BC, False)
-                kx = k_i[:, None, :] * dec
-                dm_st = tl.load(mb + ri[:, None] * BT + lb[None, :])[:, :, None]          # 0 for t >= s
-                dm_ts = tl.load(mb + ri[None, :] * BT + lb[:, None])[:, :, None]
-                dkr = tl.sum(dm_ts * kx, 0)
-                dkc = tl.sum(dm_st * kx, 0)
-            else:
-                G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
-                g_r = tl.load(Gb + r0 * K + ck)
-                g_r1 = tl.load(Gb + r1 * K + ck)
-                k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
-                e_i = tl.exp(G_i - g_r[None, :])
-                e_c = tl.exp(g_r1[None, :] - G_i)
-                k_r = tl.where(jm, k_a * tl.exp(tl.where(jm, g_r[None, :] - G_a, 0.)), 0.)
-                e_a1 = tl.exp(tl.where(im, G_a - g_r1[None, :], 0.))
-                k_c1 = tl.where(im, k_a * e_a1, 0.)
-                dkr = e_i * _dot(tl.load(mb + ri[:, None] * BT + la[None, :]), k_r, PREC)
-                dkc = e_c * _dot(tl.trans(tl.load(mb + ra[:, None] * BT + lb[None, :])), k_c1, PREC)
-            dk_add = dkr + dkc
-            dg_add = k_i * (dkr - dkc)
+    G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
+    k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
+    for i_i in tl.static_range(NS):
+        r0 = t0 + i_i * BC
+        r1 = r0 + BC - 1
+        ri = r0 + oc
+        lb = i_i * BC + oc
+        imask = (ri < T)[:, None]
+        dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
+        dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
+        # the values to add to, loaded first so that their latency hides behind the products below
+        dk_add = tl.load(dk_ptr, mask=imask, other=0.)
+        dg_add = tl.load(dg_ptr)
+        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+        k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        # the column-role off-diagonal terms first, so that their tiles are dead before the diagonal block's
+        if i_i < NS - 1:
+            # rows i > r1 (later sub-chunks) against the reference row r1
+            g_r1 = tl.load(Gb + r1 * K + ck)
+            after = (la >= (i_i + 1) * BC)[:, None]
+            e_a1 = tl.where(after, tl.exp(tl.where(after, G_a - g_r1[None, :], 0.)), 0.)
+            e_c = tl.exp(g_r1[None, :] - G_i)
+            dkc = e_c * _dot(tl.trans(tl.load(mb + ra[:, None] * BT + lb[None, :])), k_a * e_a1, PREC)
             for iq in range(NG):
                 i_hq = i_h * NG + iq
-                qb = q + (i_b * T * Hq + i_hq) * K
+                q_a = tl.load(q + ((i_b * T + ra[:, None]) * Hq + i_hq) * K + ck[None, :], mask=amask,
+                              other=0.).to(tl.float32)
                 pb = dP + (i_b * Hq + i_hq) * Tp * BT
-                q_i = tl.load(qb + ri[:, None] * (Hq * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
-                # P: row role  dq_i = sum_{j<=i} dP_ij k_j exp(G_i - G_j);  column role  dk_j = sum_{i>=j} dP_ij q_i exp(G_i - G_j)
-                if DIAG:
-                    dp_st = tl.load(pb + ri[:, None] * BT + lb[None, :])[:, :, None]      # 0 for t > s
-                    dp_ts = tl.load(pb + ri[None, :] * BT + lb[:, None])[:, :, None]
-                    dqb = tl.sum(dp_ts * kx, 0)
-                    dkb = tl.sum(dp_st * (q_i[:, None, :] * dec), 0)
-                else:
-                    q_a = tl.load(qb + ra[:, None] * (Hq * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
-                    q_c1 = tl.where(im, q_a * e_a1, 0.)
-                    dqb = e_i * _dot(tl.load(pb + ri[:, None] * BT + la[None, :]), k_r, PREC)
-                    dkb = e_c * _dot(tl.trans(tl.load(pb + ra[:, None] * BT + lb[None, :])), q_c1, PREC)
-                dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
-                tl.store(dq_ptr, tl.load(dq_ptr, mask=imask, other=0.) + dqb, mask=imask)
-                dk_add += dkb
-                dg_add += q_i * dqb - k_i * dkb
-            dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
-            tl.store(dk_ptr, tl.load(dk_ptr, mask=imask, other=0.) + dk_add, mask=imask)
-            dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
-            tl.store(dg_ptr, tl.load(dg_ptr) + dg_add)
+                dkc += e_c * _dot(tl.trans(tl.load(pb + ra[:, None] * BT + lb[None, :])), q_a * e_a1, PREC)
+            dk_add += dkc
+            dg_add -= k_i * dkc
+        if i_i > 0:
+            # rows j < r0 (earlier sub-chunks) against the reference row r0
+            g_r0 = tl.load(Gb + r0 * K + ck)
+            before = (la < i_i * BC)[:, None]
+            k_r = tl.where(before, k_a * tl.exp(tl.where(before, g_r0[None, :] - G_a, 0.)), 0.)
+            e_i = tl.exp(G_i - g_r0[None, :])
+            dkr = e_i * _dot(tl.load(mb + ri[:, None] * BT + la[None, :]), k_r, PREC)
+            dk_add += dkr
+            dg_add += k_i * dkr
+        # diagonal block: terms [s, t, c] reduced over their first row s, which lies within each thread (no
+        # shuffles); the decays are symmetric in s and t, so the row roles take dM, dP transposed
+        dec = _kda_diag_decay(G_i, BC, False)
+        k_s = k_i[:, None, :]
+        dm_st = tl.load(mb + ri[:, None] * BT + lb[None, :])[:, :, None]          # 0 for t >= s
+        dm_ts = tl.load(mb + ri[None, :] * BT + lb[:, None])[:, :, None]
+        dkr = tl.sum(dm_ts * k_s * dec, 0)
+        dkc = tl.sum(dm_st * k_s * dec, 0)
+        dk_add += dkr + dkc
+        dg_add += k_i * (dkr - dkc)
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            pb = dP + (i_b * Hq + i_hq) * Tp * BT
+            dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
+            dq_old = tl.load(dq_ptr, mask=imask, other=0.)
+            q_i = tl.load(q + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :], mask=imask,
+                          other=0.).to(tl.float32)
+            dp_st = tl.load(pb + ri[:, None] * BT + lb[None, :])[:, :, None]      # 0 for t > s
+            dp_ts = tl.load(pb + ri[None, :] * BT + lb[:, None])[:, :, None]
+            dqb = tl.sum(dp_ts * k_s * dec, 0)
+            dkb = tl.sum(dp_st * (q_i[:, None, :] * dec), 0)
+            if i_i > 0:
+                dqb += e_i * _dot(tl.load(pb + ri[:, None] * BT + la[None, :]), k_r, PREC)
+            tl.store(dq_ptr, dq_old + dqb, mask=imask)
+            dk_add += dkb
+            dg_add += q_i * dqb - k_i * dkb
+        tl.store(dk_ptr, dk_add, mask=imask)
+        tl.store(dg_ptr, dg_add)
 
 
 @triton.jit
