@@ -120,6 +120,9 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     import time
 
     deadline = None if max_minutes is None else time.time() + 60 * float(max_minutes)
+    import torch.distributed as dist
+
+    group_was_open = dist.is_available() and dist.is_initialized()
     torch_device = _init_distributed(settings.get("device"))
     if preloaded is not None:
         dense, tokenizer = preloaded
@@ -136,6 +139,8 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     finally:
         for name, p in dense.named_parameters():
             p.requires_grad_(grad_flags[name])
+        if not group_was_open and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # the group this call started (left open at exit, NCCL warns of a leak)
 
 
 def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume, overwrite,
