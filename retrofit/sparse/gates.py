@@ -177,7 +177,9 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     trained with offsets they keep 100% there. Prompts much longer than ``seq_len`` still need longer sequences.
 
     ``min_seq_len``: sequence lengths drawn (seeded) between it and ``seq_len`` instead of all ``seq_len``: with
-    offsets, long sequences (the query-to-key distances of long prompts) still start at varied positions.
+    offsets, long sequences (the query-to-key distances of long prompts) still start at varied positions. Measured
+    on the H200 (3M tokens, bf16, budget 1024, 20 seeds): lengths 2048-8192 keep 94% / 100% of dense on passkey /
+    niah_single at 8000 (blocks of 64; 100% / 100% with blocks of 16) where sequences of 4096 kept 72% / 45%.
 
     Resumable: a checkpoint ``out + ".ckpt"`` (gates, optimiser, step) is written every ``save_every`` steps;
     ``resume=True`` continues from it. Returns the gates and the per-step losses of this run.
@@ -253,7 +255,8 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Gate file to write (atomically).")
 @click.option("--seq-len", type=int, default=1024, show_default=True, help="Training sequence length (the longest).")
 @click.option("--min-seq-len", type=int, default=None,
-              help="Draw each sequence's length between this and --seq-len (default: all --seq-len).")
+              help="Draw each sequence's length between this and --seq-len (default: all --seq-len). Train with "
+                   "--seq-len at least the prompt lengths you decode, e.g. 8192 with --min-seq-len 2048.")
 @click.option("--block-size", type=int, default=64, show_default=True, help="Tokens per gated KV block.")
 @click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
 @click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
