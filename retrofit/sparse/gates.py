@@ -99,8 +99,10 @@ def sequence_lengths(tokens: int, seq_len: int, min_seq_len: int | None, block_s
         return [seq_len] * -(-tokens // seq_len)
     picker = random.Random(seed + 3)
     lengths: list[int] = []
-    while sum(lengths) < tokens:
+    covered = 0
+    while covered < tokens:
         lengths.append(picker.randint(min_seq_len // block_size, seq_len // block_size) * block_size)
+        covered += lengths[-1]
     return lengths
 
 
