@@ -106,6 +106,15 @@ def sequence_lengths(tokens: int, seq_len: int, min_seq_len: int | None, block_s
     return lengths
 
 
+def default_seq_lens(config, block_size: int, longest: int = 8192) -> tuple[int, int]:
+    """``(seq_len, min_seq_len)`` of ``retrofit gates`` without ``--seq-len``: sequences up to the model's maximum
+    length (at most ``longest``) and down to a quarter of it, in whole blocks (the setting measured in
+    BENCHMARKS.md: 2048-8192 on SmolLM2)."""
+    limit = min(getattr(config, "max_position_embeddings", None) or longest, longest)
+    seq_len = max(limit // block_size * block_size, 2 * block_size)
+    return seq_len, max(seq_len // 4 // block_size * block_size, 2 * block_size)
+
+
 def calibration_chunks(tokenizer, files: list[Path], lengths: list[int]) -> list[torch.Tensor]:
     """Token chunks of the given ``lengths`` (in order), cut one after another from the text files (read in order)."""
     paths: list[Path] = []
@@ -255,10 +264,12 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
               help="Text file(s) or folder(s) of .txt files (e.g. ../shared/data/calib). Repeatable.")
 @click.option("--tokens", type=int, default=262_144, show_default=True, help="Calibration tokens to train on.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Gate file to write (atomically).")
-@click.option("--seq-len", type=int, default=1024, show_default=True, help="Training sequence length (the longest).")
+@click.option("--seq-len", type=int, default=None,
+              help="Longest training sequence; at least the prompt lengths you decode. Default: the model's maximum "
+                   "length up to 8192, with --min-seq-len a quarter of it.")
 @click.option("--min-seq-len", type=int, default=None,
-              help="Draw each sequence's length between this and --seq-len (default: all --seq-len). Train with "
-                   "--seq-len at least the prompt lengths you decode, e.g. 8192 with --min-seq-len 2048.")
+              help="Draw each sequence's length between this and --seq-len (default with --seq-len given: all "
+                   "--seq-len).")
 @click.option("--block-size", type=int, default=64, show_default=True, help="Tokens per gated KV block.")
 @click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
 @click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
@@ -288,6 +299,9 @@ def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hi
     if resume and not checkpoint.is_file():
         raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
     lm, tokenizer = retrofit.load(model, dtype=dtype, device=device)
+    if seq_len is None:
+        seq_len, default_min = default_seq_lens(lm.config.get_text_config(decoder=True), block_size)
+        min_seq_len = min_seq_len or min(default_min, seq_len)
     _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
                             hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume,
                             retrieval_fraction=retrieval_fraction, position_offsets=position_offsets,
