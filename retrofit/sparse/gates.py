@@ -230,12 +230,12 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
         gates.load_state_dict(state["gates"])
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
-    chunks = calibration_chunks(tokenizer, files, sequence_lengths(tokens, seq_len, min_seq_len, block_size, seed))
+    lengths = sequence_lengths(tokens, seq_len, min_seq_len, block_size, seed)
+    chunks = calibration_chunks(tokenizer, files, lengths)
     if retrieval_fraction > 0:
         picker = random.Random(seed + 1)
         chunks = [with_repeated_span(c, 2 * queries, picker) if picker.random() < retrieval_fraction else c
                   for c in chunks]
-    lengths = [chunk.shape[0] for chunk in chunks]
     offsets = position_offsets_for(lengths, config, seed) if position_offsets else [0] * len(chunks)
     model.eval().requires_grad_(False)
     losses: list[float] = []
