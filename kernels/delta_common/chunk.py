@@ -24,11 +24,15 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
             forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] -> _state_bwd [V/BV, bh]
             (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [K/BK, NT, bh]
             -> _rev_cumsum [NT, bh] (dg from dG)
-The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_dqk, _bwd_wy) take K in blocks
-(KDA_BK and KDA_DIAG_BK, WY_BK, BWD_DQK_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA
+The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy, _kda_intra_bwd) take K in
+blocks (KDA_BK and KDA_DIAG_BK, WY_BK, BWD_WY_BK, KDA_BWD_BK) to keep their register tiles small; the forward KDA
 sub-chunk kernel loops over K twice, the off-diagonal sub-blocks first and then the diagonal block, so that the
 tiles of one are not live during the other. The backward one, _kda_intra_bwd, takes one key block of KDA_BWD_BK
 channels per program and all sub-chunks of the chunk, so each of its dq, dk, dG entries is added to once.
+_bwd_dqk keeps whole [BT, K] tiles (its V-reductions dV' S^T, V' dS'^T, dO S^T and dO V'^T accumulate over V
+blocks of BV in one pass, each input tile loaded once, dO V'^T formed once rather than once per key block); at 8
+warps, one query head per kv head, its bf16 path does not spill registers, TF32 spills 8 bytes for KDA, and its
+fp32 "ieee" path spills, as it did with key blocks.
 Intermediates live in padded buffers [B, H, NT*BT, ...]; padded rows have k = v = q = beta = 0 and g = 0,
 which makes them exact no-ops.
 
@@ -69,7 +73,6 @@ KDA_BK = 32         # key-dimension block of KDA's forward sub-chunk kernel _kda
 KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC, BC] terms at once)
 WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
-BWD_DQK_BK = 32     # key-dimension block of _bwd_dqk
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program)
 # KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
 # (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
@@ -225,7 +228,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
     dG = torch.empty(B, H, Tp, *((K,) if per_channel else ()), device=dev, dtype=f32)
     dP = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32) if per_channel else dG
     _bwd_dqk_kernel[(NT, B * H)](q, k, Gc, c["Hs"], dHs, c["Vp"], dVp, do, dq, dk, dW, dG, dP, scale, T, Tp, NT, H,
-                                 NG, K=K, V=V, BT=BT, BV=BV, BK=min(BWD_DQK_BK, K), PER_CHANNEL=per_channel,
+                                 NG, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel, GROUPED=NG > 1,
                                  PREC=c["p"]("bwd_dqk"), **_kw("bwd_dqk"))
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)

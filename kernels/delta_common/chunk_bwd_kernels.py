@@ -92,95 +92,152 @@ def _state_bwd_kernel(q, k, Kd, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T, Tp
 
 
 @triton.jit
+def _dqk_query_products(do_b, hs_b, vp_b, off_do, off_kv, off_tv, rmask, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """One query head's pass over V: dO S^T [BT, K] and dO V'^T [BT, BT] (unscaled). *_b: the chunk's tiles at
+    value column 0, off_*: the offsets of a [., BV] value block in them."""
+    dqs = tl.zeros([BT, K], dtype=tl.float32)
+    dp = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        hb = tl.load(hs_b + i_v + off_kv)
+        vp = tl.load(vp_b + i_v + off_tv)
+        do_c = tl.load(do_b + i_v + off_do, mask=rmask, other=0.)
+        dqs += _dot(do_c, tl.trans(hb), PREC)
+        dp += _dot(do_c, tl.trans(vp), PREC)
+    return dqs, dp
+
+
+@triton.jit
+def _dqk_query_grads(q_b, dq_b, dp_b, off_q, dqs, dp, k_c, eg, dec, dk_acc, dg_acc, scale, rmask,
+                     BT: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """One query head's share of dq, dk, dG from its dO S^T and dO V'^T (see _bwd_dqk_kernel); stores dq (and
+    KDA's dP). Returns the dk and dG accumulators with its terms added (dG per channel for KDA; for GDN only the
+    q dq part of the per-row dG, the k dk part is taken from the final dk)."""
+    o = tl.arange(0, BT)
+    dp = tl.where(o[:, None] >= o[None, :], scale * dp, 0.)
+    dqs = scale * dqs * eg
+    if PER_CHANNEL:
+        tl.store(dp_b + o[:, None] * BT + o[None, :], dp)
+        tl.store(dq_b + off_q, dqs, mask=rmask)
+        dg_acc += tl.load(q_b + off_q, mask=rmask, other=0.).to(tl.float32) * dqs
+    else:
+        dpg = dp * dec
+        dq_c = dqs + _dot(dpg, k_c, PREC)
+        tl.store(dq_b + off_q, dq_c, mask=rmask)
+        q_c = tl.load(q_b + off_q, mask=rmask, other=0.)
+        dg_acc += tl.sum(q_c.to(tl.float32) * dq_c, 1)
+        dk_acc += _dot(tl.trans(dpg), q_c, PREC)
+    return dk_acc, dg_acc
+
+
+@triton.jit
 def _bwd_dqk_kernel(q, k, Gc, Hs, dHs, Vp, dVp, do, dq, dk, dW, dG, dP, scale, T, Tp, NT, H, NG,
-                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                    PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: dW = -dV' S^T; the state-path parts of dq, dk, dG; dP (stored for KDA, consumed here for GDN).
-    K in blocks of BK (every output is per key channel; the K-independent dP = dO V'^T is recomputed per block,
-    and GDN's per-row dG terms are summed over the blocks): smaller register tiles."""
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                    PER_CHANNEL: tl.constexpr, GROUPED: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk, from the state S entering it (Hs), the gradient dS' of the state leaving it (dHs), V' and dV':
+        dW = -dV' S^T
+        state update S' = exp(G_last) S + (k exp(G_last - G))^T V':  dk = (V' dS'^T) exp(G_last - G),
+            d exp(G_last) = sum_v S dS'
+        per query head: dP = scale dO V'^T (causal; stored for KDA, whose _kda_intra_bwd takes it through the
+            per-channel decays), dq = scale (dO S^T) exp(G); GDN also dq += (dP E) k, dk += (dP E)^T q
+        dG: the G-derivatives of the above (per channel for KDA, per row for GDN)
+    One program per (chunk, kv head) over the whole key dimension, V in blocks of BV: the [BT, K] results are
+    accumulated in registers and written once, and dO V'^T is formed once per query head (not once per key
+    block). The first query head's products share the pass over V of the kv head's, so with one query head per
+    kv head every input tile is loaded once; further query heads (grouped queries) take one more pass each.
+    Addresses are a scalar base per tile plus i32 offsets shared across the passes: hoisted 64-bit pointer
+    tensors of every tile would take ~100 registers per thread."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     Hq = H * NG
     o = tl.arange(0, BT)
-    rows = i_t * BT + o
-    rmask = rows < T
-    hbase = (i_bh * NT + i_t) * K
-    last = i_t * BT + BT - 1
-    causal = o[:, None] >= o[None, :]
-    if not PER_CHANNEL:
-        G = tl.load(Gc + i_bh * Tp + rows)
-        gl = tl.load(Gc + i_bh * Tp + last)
+    ck = tl.arange(0, K)
+    cv = tl.arange(0, BV)
+    rmask = (i_t * BT + o < T)[:, None]
+    t0 = i_t * BT
+    row_b = i_bh * Tp + t0                     # first row of the chunk in the padded [B, H, Tp, ...] buffers
+    hs_b = Hs + (i_bh * NT + i_t) * K * V
+    dhs_b = dHs + (i_bh * NT + i_t) * K * V
+    vp_b = Vp + row_b * V
+    dvp_b = dVp + row_b * V
+    do_b = do + ((i_b * T + t0) * Hq + i_h * NG) * V
+    q_b = q + ((i_b * T + t0) * Hq + i_h * NG) * K
+    dq_b = dq + ((i_b * T + t0) * Hq + i_h * NG) * K
+    dp_b = dP + ((i_b * Hq + i_h * NG) * Tp + t0) * BT
+    off_kv = ck[:, None] * V + cv[None, :]
+    off_tv = o[:, None] * V + cv[None, :]
+    off_do = o[:, None] * (Hq * V) + cv[None, :]
+    off_q = o[:, None] * (Hq * K) + ck[None, :]
+    off_tk = o[:, None] * K + ck[None, :]
+    dw = tl.zeros([BT, K], dtype=tl.float32)
+    dkd = tl.zeros([BT, K], dtype=tl.float32)
+    dd = tl.zeros([K], dtype=tl.float32)
+    dqs = tl.zeros([BT, K], dtype=tl.float32)
+    dp = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, V, BV):
+        hb = tl.load(hs_b + i_v + off_kv)
+        dhb = tl.load(dhs_b + i_v + off_kv)
+        vp = tl.load(vp_b + i_v + off_tv)
+        dvp = tl.load(dvp_b + i_v + off_tv)
+        do_c = tl.load(do_b + i_v + off_do, mask=rmask, other=0.)
+        dw += _dot(dvp, tl.trans(hb), PREC)
+        dkd += _dot(vp, tl.trans(dhb), PREC)
+        dd += tl.sum(hb.to(tl.float32) * dhb.to(tl.float32), 1)
+        dqs += _dot(do_c, tl.trans(hb), PREC)
+        dp += _dot(do_c, tl.trans(vp), PREC)
+    tl.store(dW + row_b * K + off_tk, -dw)
+    # the first query head's terms and the state part of dk, in an order that keeps few [BT, K] tiles live (each
+    # tile loaded after the stores before it, which it cannot be moved above)
+    off_k = ((i_b * T + t0) * H + i_h) * K + o[:, None] * (H * K) + ck[None, :]
+    if PER_CHANNEL:
+        Gk = tl.load(Gc + row_b * K + off_tk)
+        eg = tl.exp(Gk)
+        dec = eg    # unused, like k_c in _dqk_query_grads: the decayed dP terms of KDA are _kda_intra_bwd's
+        dk_acc, dg_acc = _dqk_query_grads(q_b, dq_b, dp_b, off_q, dqs, dp, eg, eg, dec, dkd,
+                                          tl.zeros([BT, K], dtype=tl.float32), scale, rmask, BT, PER_CHANNEL, PREC)
+        glk = tl.load(Gc + (row_b + BT - 1) * K + ck)
+        dk_acc = dk_acc * tl.exp(glk[None, :] - Gk)
+        k_c = tl.load(k + off_k, mask=rmask, other=0.).to(tl.float32)
+        kdk = k_c * dk_acc
+        dg_acc += tl.where(o[:, None] == BT - 1, (tl.sum(kdk, 0) + tl.exp(glk) * dd)[None, :], 0.) - kdk
+        tl.store(dk + off_k, dk_acc, mask=rmask)     # final: KDA's query-head terms of dk are _kda_intra_bwd's
+    else:
+        G = tl.load(Gc + row_b + o)
+        gl = tl.load(Gc + row_b + BT - 1)
+        dk_acc = dkd * tl.exp(gl - G)[:, None]
+        k_c = tl.load(k + off_k, mask=rmask, other=0.)
+        d_last = tl.sum(tl.sum(k_c.to(tl.float32) * dk_acc, 1), 0) + tl.exp(gl) * tl.sum(dd, 0)
         eg = tl.exp(G)[:, None]
         dec = _gdn_decay(G, False, BT)
-        dg_row = tl.zeros([BT], dtype=tl.float32)
-        last_acc = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
-    for i_k in range(0, K, BK):
-        ck = i_k + tl.arange(0, BK)
-        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None],
-                      other=0.).to(tl.float32)
-        # dW = -dV' S^T; state update: dKd = V' dS'^T, d exp(G_last) = sum_v S dS'
-        dw = tl.zeros([BT, BK], dtype=tl.float32)
-        dkd = tl.zeros([BT, BK], dtype=tl.float32)
-        dd = tl.zeros([BK], dtype=tl.float32)
-        for i_v in range(0, V, BV):
-            cv = i_v + tl.arange(0, BV)
-            hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :]).to(tl.float32)
-            dhb = tl.load(dHs + (hbase + ck[:, None]) * V + cv[None, :]).to(tl.float32)
-            dvp = tl.load(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
-            vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
-            dw -= _dot(dvp, tl.trans(hb), PREC)
-            dkd += _dot(vp, tl.trans(dhb), PREC)
-            dd += tl.sum(hb * dhb, 1)
-        tl.store(dW + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dw)
+        dk_acc, dg_acc = _dqk_query_grads(q_b, dq_b, dp_b, off_q, dqs, dp, k_c, eg, dec, dk_acc,
+                                          tl.where(o == BT - 1, d_last, 0.), scale, rmask, BT, PER_CHANNEL, PREC)
+    if GROUPED:
+        # further query heads (NG > 1). GDN's go into accumulators of their own, added after the loop: a loop that
+        # took the first head's dk, dG would put it in the forward slice of the first head's tl.dot, which triton's
+        # Hopper layout choice reads as a chained dot (as in attention) and answers with a [num_warps, 1] warp
+        # tiling (the 64-row tile duplicated in both warp groups: register spills). KDA's dk is final already.
+        dp_head = Tp.to(tl.int64) * BT          # dP's stride between query heads
+        dk_more = tl.zeros_like(dk_acc)
         if PER_CHANNEL:
-            Gk = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
-            glk = tl.load(Gc + (i_bh * Tp + last) * K + ck)
-            dk_acc = dkd * tl.exp(glk[None, :] - Gk)
-            dg_acc = -k_c * dk_acc
-            last_add = tl.sum(k_c * dk_acc, 0) + tl.exp(glk) * dd
-            dg_acc = tl.where(o[:, None] == BT - 1, dg_acc + last_add[None, :], dg_acc)
-            egk = tl.exp(Gk)
+            dg_more = dg_acc
         else:
-            dk_acc = dkd * tl.exp(gl - G)[:, None]
-            dg_row -= tl.sum(k_c * dk_acc, 1)
-            last_acc += tl.sum(tl.sum(k_c * dk_acc, 1), 0) + tl.exp(gl) * tl.sum(dd, 0)
-            egk = eg
-        for iq in range(NG):
-            i_hq = i_h * NG + iq
-            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None],
-                          other=0.).to(tl.float32)
-            dqs = tl.zeros([BT, BK], dtype=tl.float32)
-            dp = tl.zeros([BT, BT], dtype=tl.float32)
-            for i_v in range(0, V, BV):
-                cv = i_v + tl.arange(0, BV)
-                hb = tl.load(Hs + (hbase + ck[:, None]) * V + cv[None, :])
-                vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
-                do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None],
-                               other=0.).to(tl.float32)
-                dqs += _dot(do_c, tl.trans(hb), PREC)
-                dp += _dot(do_c, tl.trans(vp), PREC)
-            dqs = scale * dqs * egk
-            dp = tl.where(causal, scale * dp, 0.)
-            if PER_CHANNEL:
-                dg_acc += q_c * dqs
-                first = (o * 0 + i_k) == 0
-                tl.store(dP + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :], dp, mask=first[:, None])
-                dq_c = dqs
-            else:
-                dpg = dp * dec
-                dqb = _dot(dpg, k_c, PREC)
-                dkb = _dot(tl.trans(dpg), q_c, PREC)
-                dg_row += tl.sum(q_c * (dqs + dqb), 1) - tl.sum(k_c * dkb, 1)
-                dk_acc += dkb
-                dq_c = dqs + dqb
-            tl.store(dq + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], dq_c, mask=rmask[:, None])
+            dg_more = tl.zeros_like(dg_acc)
+        for iq in range(1, NG):
+            dqs, dp = _dqk_query_products(do_b + iq * V, hs_b, vp_b, off_do, off_kv, off_tv, rmask, K, V, BT, BV,
+                                          PREC)
+            dk_more, dg_more = _dqk_query_grads(q_b + iq * K, dq_b + iq * K, dp_b + iq * dp_head, off_q, dqs, dp,
+                                                k_c, eg, dec, dk_more, dg_more, scale, rmask, BT, PER_CHANNEL, PREC)
         if PER_CHANNEL:
-            tl.store(dG + (i_bh * Tp + rows[:, None]) * K + ck[None, :], dg_acc)
-        tl.store(dk + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], dk_acc, mask=rmask[:, None])
-    if not PER_CHANNEL:
-        dg_row = tl.where(o == BT - 1, dg_row + last_acc, dg_row)
-        tl.store(dG + i_bh * Tp + rows, dg_row)
+            dg_acc = dg_more
+        else:
+            dk_acc += dk_more
+            dg_acc += dg_more
+    if PER_CHANNEL:
+        tl.store(dG + row_b * K + off_tk, dg_acc)
+    else:
+        tl.store(dk + off_k, dk_acc, mask=rmask)
+        tl.store(dG + row_b + o, dg_acc - tl.sum(k_c.to(tl.float32) * dk_acc, 1))
 
 
 @triton.jit
