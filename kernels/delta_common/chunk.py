@@ -22,12 +22,13 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
             -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
   backward: recompute the forward up to _state_fwd (keeping T, h, V'; KDA reuses G, M, P kept by the
             forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] -> _state_bwd [V/BV, bh]
-            (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [NT*NS, bh]
+            (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [K/BK, NT, bh]
             -> _rev_cumsum [NT, bh] (dg from dG)
-The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_dqk, _bwd_wy, _kda_intra_bwd)
-take K in blocks (KDA_BK and KDA_DIAG_BK, WY_BK, BWD_DQK_BK, BWD_WY_BK, KDA_BWD_BK) to keep their register tiles
-small; the KDA sub-chunk kernels loop over K twice, the off-diagonal sub-blocks first and then the diagonal
-block, so that the tiles of one are not live during the other.
+The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_dqk, _bwd_wy) take K in blocks
+(KDA_BK and KDA_DIAG_BK, WY_BK, BWD_DQK_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA
+sub-chunk kernel loops over K twice, the off-diagonal sub-blocks first and then the diagonal block, so that the
+tiles of one are not live during the other. The backward one, _kda_intra_bwd, takes one key block of KDA_BWD_BK
+channels per program and all sub-chunks of the chunk, so each of its dq, dk, dG entries is added to once.
 Intermediates live in padded buffers [B, H, NT*BT, ...]; padded rows have k = v = q = beta = 0 and g = 0,
 which makes them exact no-ops.
 
@@ -69,7 +70,8 @@ KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_
 WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 BWD_DQK_BK = 32     # key-dimension block of _bwd_dqk
-KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd
+KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program)
+KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products, whose FMA tiles spill at 32 (sm_90, 8 warps)
 # KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
 # (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
 KDA_KEEP_INTRA_FOR_BACKWARD = True
@@ -233,9 +235,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
                                 dG, dM, T, Tp, H, K=K, V=V, BT=BT, BV=BV, BK=min(BWD_WY_BK, K), PER_CHANNEL=per_channel,
                                 PREC=c["p"]("bwd_wy"), **_kw("bwd_wy"))
     if per_channel:
-        _kda_intra_bwd_kernel[(K // min(KDA_BWD_BK, K), NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                        BK=min(KDA_BWD_BK, K), PREC=c["prec_hi"],
-                                                        **_kw("kda_intra_bwd"))
+        BKI = min(KDA_BWD_IEEE_BK if c["prec_hi"] == "ieee" else KDA_BWD_BK, K)
+        _kda_intra_bwd_kernel[(K // BKI, NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                     BK=BKI, PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
     dg = torch.empty(g.shape, device=dev, dtype=f32)
     _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("rev_cumsum"))
     return dq, dk, dv, dg, dbeta, dh0
