@@ -74,6 +74,7 @@ KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_
 WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program)
+KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products, whose FMA tiles spill at 32 (sm_90, 8 warps)
 # KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
 # (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
 KDA_KEEP_INTRA_FOR_BACKWARD = True
@@ -237,9 +238,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
                                 dG, dM, T, Tp, H, K=K, V=V, BT=BT, BV=BV, BK=min(BWD_WY_BK, K), PER_CHANNEL=per_channel,
                                 PREC=c["p"]("bwd_wy"), **_kw("bwd_wy"))
     if per_channel:
-        bk = min(KDA_BWD_BK, K)
-        _kda_intra_bwd_kernel[(K // bk, NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                    BK=bk, PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
+        BKI = min(KDA_BWD_IEEE_BK if c["prec_hi"] == "ieee" else KDA_BWD_BK, K)
+        _kda_intra_bwd_kernel[(K // BKI, NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                     BK=BKI, PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
     dg = torch.empty(g.shape, device=dev, dtype=f32)
     _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("rev_cumsum"))
     return dq, dk, dv, dg, dbeta, dh0

@@ -335,17 +335,20 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
 def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP), in their row role (i)
-    and their column role (j); adds them into dq, dk and dG.
-        M: row role  dk_i = sum_{j<i} dM_ij k_j exp(G_i - G_j);   column role  dk_j = sum_{i>j} dM_ij k_i exp(G_i - G_j)
-        P: row role  dq_i = sum_{j<=i} dP_ij k_j exp(G_i - G_j);  column role  dk_j = sum_{i>=j} dP_ij q_i exp(G_i - G_j)
-        dG_i = k_i (dk_i row - dk_i column) + q_i dq_i - k_i dk_i (P column)   (per channel)
-    One program per (key block of BK channels, chunk): every term is per channel, so the key blocks are
-    independent. The chunk's [BT, BK] tiles of G and k are loaded once, and the NS = BT / BC sub-chunks are
-    unrolled; each sub-chunk's rows get all their terms in registers and one read-modify-write of dq, dk, dG.
-    Off-diagonal sub-blocks: one tl.dot each against a reference row of the sub-chunk (its first row r0 for the
-    row role, its last row r1 for the column role; every exponent <= 0); the first sub-chunk has no row-role and
-    the last no column-role off-diagonal terms. The BC x BC diagonal block: elementwise, as [BC, BC, BK] terms
-    whose decays exp(-|G_i - G_j|) are evaluated once for M and every query head of the group."""
+    and their column role (j); adds them into dq, dk and dG (per channel c, E_ij = exp(G_ic - G_jc)):
+        M: row role  dk_i = sum_{j<i} dM_ij k_j E_ij;   column role  dk_j = sum_{i>j} dM_ij k_i E_ij
+        P: row role  dq_i = sum_{j<=i} dP_ij k_j E_ij;  column role  dk_j = sum_{i>=j} dP_ij q_i E_ij
+        dG_i = k_i (M row role - M column role) + q_i (P row role) - k_i (P column role)
+    One program per (key block of BK channels, chunk): the key blocks are independent, and one program owns
+    its [BT, BK] block of dq, dk and dG, so the chunk's tiles of G and k are loaded once and every entry gets
+    a single read-modify-write (the old values are loaded first, to hide their latency behind the products).
+    The NS = BT / BC sub-chunks are unrolled. Per sub-chunk, the off-diagonal sub-blocks take one tl.dot each
+    against a reference row of the sub-chunk, its last row r1 for the column role (later rows i) and its first
+    row r0 for the row role (earlier rows j), so that every exponent is <= 0; the first sub-chunk has no row-role
+    and the last no column-role off-diagonal terms. The BC x BC diagonal block is elementwise, as [BC, BC, BK]
+    terms whose decays exp(-|G_i - G_j|) are evaluated once for M and every query head of the group. The
+    column-role tiles are dead before the diagonal block; the row role's decayed k stays live for each query
+    head's dq, which then needs one read-modify-write."""
     NS: tl.constexpr = BT // BC
     i_k, i_t = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -375,7 +378,6 @@ def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.cons
         dg_add = tl.load(dg_ptr)
         G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
         k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        # the column-role off-diagonal terms first, so that their tiles are dead before the diagonal block's
         if i_i < NS - 1:
             # rows i > r1 (later sub-chunks) against the reference row r1
             g_r1 = tl.load(Gb + r1 * K + ck)
