@@ -14,25 +14,26 @@ inside the chunk (fp32), and the decayed products (scalar decay: E_ij = exp(G_i 
 Only differences G_i - G_j with j <= i (and G_last - G_i) are ever exponentiated. For KDA the
 per-channel products are formed per sub-chunk of BC rows against a reference row of G inside the
 sub-chunk (both factors then have non-positive exponents); the BC x BC diagonal blocks elementwise, all row
-pairs at once, from the decays exp(-|G_i - G_j|) of a [BC, BC, key block] tensor (chunk_common._kda_diag_decay).
+pairs at once, from the decays exp(-|G_i - G_j|) of a [BC, BC, key block] tensor (chunk_common._kda_diag_decay;
+the forward splits the block in two halves, with the pairs across them about a reference row, like the sub-chunks).
 
 Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query heads, NS = BT / BC):
-  forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT*NS, NG, bh] (M and P together, sharing the exps)
+  forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT, NG, bh] (M and P together, sharing the exps)
             -> _solve_wy [NT, bh] (T, W, U; KDA also k exp(G_last - G))
             -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
   backward: recompute the forward up to _state_fwd (keeping T, h, V'; KDA reuses G, M, P kept by the
             forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] -> _state_bwd [V/BV, bh]
             (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [K/BK, NT, bh]
             -> _rev_cumsum [NT, bh] (dg from dG)
-The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy, _kda_intra_bwd) take K in
-blocks (KDA_BK and KDA_DIAG_BK, WY_BK, BWD_WY_BK, KDA_BWD_BK) to keep their register tiles small; the forward KDA
-sub-chunk kernel loops over K twice, the off-diagonal sub-blocks first and then the diagonal block, so that the
-tiles of one are not live during the other. The backward one, _kda_intra_bwd, takes one key block of KDA_BWD_BK
-channels per program and all sub-chunks of the chunk, so each of its dq, dk, dG entries is added to once.
-_bwd_dqk keeps whole [BT, K] tiles (its V-reductions dV' S^T, V' dS'^T, dO S^T and dO V'^T accumulate over V
-blocks of BV in one pass, each input tile loaded once, dO V'^T formed once rather than once per key block); at 8
-warps, one query head per kv head, its bf16 path does not spill registers, TF32 spills 8 bytes for KDA, and its
-fp32 "ieee" path spills, as it did with key blocks.
+The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy) take K in blocks (KDA_BK and
+KDA_DIAG_BK, WY_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA sub-chunk kernel takes the
+off-diagonal sub-blocks and the diagonal blocks in separate passes over K, so that the tiles of one are not live
+during the other. The backward one, _kda_intra_bwd, takes one key block of KDA_BWD_BK channels per program and
+all sub-chunks of the chunk, so each of its dq, dk, dG entries is added to once. _bwd_dqk keeps whole [BT, K]
+tiles (its V-reductions dV' S^T, V' dS'^T, dO S^T and dO V'^T accumulate over V blocks of BV in one pass, each
+input tile loaded once, dO V'^T formed once rather than once per key block); at 8 warps, one query head per kv
+head, its bf16 path does not spill registers, TF32 spills 8 bytes for KDA, and its fp32 "ieee" path spills, as it
+did with key blocks.
 Intermediates live in padded buffers [B, H, NT*BT, ...]; padded rows have k = v = q = beta = 0 and g = 0,
 which makes them exact no-ops.
 
@@ -46,7 +47,7 @@ Precision (PREC of the products; _precisions):
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
 Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
-(except _kda_intra at its measured-fastest 2 warps; see WARPS).
+(but _kda_intra, run at the 2 warps measured fastest; see WARPS).
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 
@@ -69,8 +70,9 @@ CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
 BLOCK_V = 32        # BV: value-dimension block of the sequential state kernels and the backward chunk kernels
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
-KDA_BK = 32         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks)
-KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC, BC] terms at once)
+KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks;
+                    # at 32 its [64, 32] tiles of the last sub-chunk take 255 registers and spill at 4 warps)
+KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC/2, BC/2] terms at once)
 WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program)
@@ -82,11 +84,13 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 # Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
 # forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage), but for
-# _kda_intra at 2 warps (128 bytes of stack; none at 4 warps; offline compile, triton 3.9). The forward
-# entries come from `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel
-# varied at a time, 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda
-# 8 -> 2 warps and 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428),
-# state_fwd 3 stages (2.131 -> 2.000), kda_intra 4 -> 2 warps (5.736 -> 5.345).
+# _kda_intra, one program per chunk since 2026-11-30: 168 registers and no spills at 4 warps with TF32 products
+# (offline compile, triton 3.9), yet measured fastest at 2 warps (H200, bf16, KDA forward B=1 T=16384: 2.77 ms at
+# 2 warps, 3.34 at 4, 5.73 at 8; B=4 T=8192: 5.56 / 6.52 / 11.37). The other forward entries come from
+# `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
+# 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
+# 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
+# (2.131 -> 2.000).
 WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 2, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 8, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
@@ -168,7 +172,7 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=
     if per_channel and intra is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
-        _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+        _kda_intra_kernel[(NT, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
                                                         BK=min(KDA_BK, K), DBK=min(KDA_DIAG_BK, K), PREC=prec_hi,
                                                         **_kw("kda_intra"))
     Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if for_backward else None
