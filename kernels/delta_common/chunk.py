@@ -172,9 +172,8 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=
     if per_channel and intra is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
-        _kda_intra_kernel[(NT, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                        BK=min(KDA_BK, K), DBK=min(KDA_DIAG_BK, K), PREC=prec_hi,
-                                                        **_kw("kda_intra"))
+        _kda_intra_kernel[(NT, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC, BK=min(KDA_BK, K),
+                                           DBK=min(KDA_DIAG_BK, K), PREC=prec_hi, **_kw("kda_intra"))
     Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if for_backward else None
     W = torch.empty(B, H, Tp, K, device=dev, dtype=dt("W"))
     U = torch.empty(B, H, Tp, V, device=dev, dtype=dt("U"))
