@@ -13,9 +13,12 @@ inside the chunk (fp32), and the decayed products (scalar decay: E_ij = exp(G_i 
     S <- exp(G_last) S + (k exp(G_last - G))^T V'
 Only differences G_i - G_j with j <= i (and G_last - G_i) are ever exponentiated. For KDA the
 per-channel products are formed per sub-chunk of BC rows against a reference row of G inside the
-sub-chunk (both factors then have non-positive exponents); the BC x BC diagonal blocks elementwise, all row
-pairs at once, from the decays exp(-|G_i - G_j|) of a [BC, BC, key block] tensor (chunk_common._kda_diag_decay;
-the forward splits the block in two halves, with the pairs across them about a reference row, like the sub-chunks).
+sub-chunk (both factors then have non-positive exponents). The forward takes the BC x BC diagonal blocks
+elementwise from the decays exp(-|G_i - G_j|) (chunk_common._kda_diag_decay), in two halves with the pairs
+across them about a reference row; the backward splits every pair j < i of the chunk by the binary hierarchy of
+its rows (levels 64, 32, 16, 8, 4, 2: i in the second, j in the first half of a row group, decayed through the
+group's middle row m as exp(G_i - G_m) exp(G_m - G_j)), one exp per row and channel per level, the pair sums as
+tl.dots of (masked) dP, dM blocks.
 
 Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query heads, NS = BT / BC):
   forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT, NG, bh] (M and P together, sharing the exps)
@@ -24,12 +27,14 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
   backward: recompute the forward up to _state_fwd (keeping T, h, V'; KDA reuses G, M, P kept by the
             forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] -> _state_bwd [V/BV, bh]
             (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [K/BK, NT, bh]
-            -> _rev_cumsum [NT, bh] (dg from dG)
+            -> _rev_cumsum [NT, bh] (dg from dG); _kda_intra_bwd's grid is [NS * K/BK, NT, bh] (one program per
+            sub-chunk and key block), launched once per query head of the group
 The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy) take K in blocks (KDA_BK and
 KDA_DIAG_BK, WY_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA sub-chunk kernel takes the
 off-diagonal sub-blocks and the diagonal blocks in separate passes over K, so that the tiles of one are not live
-during the other. The backward one, _kda_intra_bwd, takes one key block of KDA_BWD_BK channels per program and
-all sub-chunks of the chunk, so each of its dq, dk, dG entries is added to once. _bwd_dqk keeps whole [BT, K]
+during the other. The backward one, _kda_intra_bwd, takes one sub-chunk of BC rows and one key block of
+KDA_BWD_BK channels per program (142 registers, no spills at 4 warps with TF32 products; offline sm_90 compile,
+triton 3.9), so each of its dq, dk, dG entries is added to once per query head. _bwd_dqk keeps whole [BT, K]
 tiles (its V-reductions dV' S^T, V' dS'^T, dO S^T and dO V'^T accumulate over V blocks of BV in one pass, each
 input tile loaded once, dO V'^T formed once rather than once per key block); at 8 warps, one query head per kv
 head, its bf16 path does not spill registers, TF32 spills 8 bytes for KDA, and its fp32 "ieee" path spills, as it
@@ -75,8 +80,9 @@ KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda
 KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC/2, BC/2] terms at once)
 WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
-KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program)
-KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products, whose FMA tiles spill at 32 (sm_90, 8 warps)
+KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
+                    # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers)
+KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products (137 registers at 4 warps; 182 at 32, no spills)
 # KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
 # (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
 KDA_KEEP_INTRA_FOR_BACKWARD = True
@@ -90,9 +96,10 @@ NUM_STAGES = 2
 # `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
 # 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
-# (2.131 -> 2.000).
+# (2.131 -> 2.000). kda_intra_bwd: 4 warps, unmeasured since its rewrite per sub-chunk (2026-12-01; 142 registers at
+# 4 warps, 104 at 8, spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms at B=1 T=16384 H=32).
 WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 2, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
-         "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 8, "rev_cumsum": 4}
+         "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
 STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3}
 # _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
@@ -242,8 +249,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
                                 PREC=c["p"]("bwd_wy"), **_kw("bwd_wy"))
     if per_channel:
         BKI = min(KDA_BWD_IEEE_BK if c["prec_hi"] == "ieee" else KDA_BWD_BK, K)
-        _kda_intra_bwd_kernel[(K // BKI, NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                     BK=BKI, PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
+        for iq in range(NG):
+            _kda_intra_bwd_kernel[(BT // BC * (K // BKI), NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, iq,
+                                                                      K=K, BT=BT, BC=BC, BK=BKI, WITH_M=iq == 0,
+                                                                      PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
     dg = torch.empty(g.shape, device=dev, dtype=f32)
     _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("rev_cumsum"))
     return dq, dk, dv, dg, dbeta, dh0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _kda_diag_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -332,104 +332,215 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
 
 
 @triton.jit
-def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr,
-                          BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _chunk_block(x, row0, col0, BT: tl.constexpr, BC: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The BC x BC block of a chunk's [BT, BT] matrix x (dP or dM; rows from padded row row0, columns from chunk
+    column col0), or its transpose."""
+    oc = tl.arange(0, BC)
+    if TRANSPOSED:
+        blk = tl.load(x + (row0 + oc[None, :]) * BT + col0 + oc[:, None])
+    else:
+        blk = tl.load(x + (row0 + oc[:, None]) * BT + col0 + oc[None, :])
+    return blk
+
+
+@triton.jit
+def _kda_bwd_rows(pb, mb, row_i, col_j, kf_j, WITH_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  PREC: tl.constexpr):
+    """Row role of sub-chunk rows i (row row_i on of the dP, dM bases pb, mb) against the columns j of an earlier
+    sub-chunk (chunk column col_j on), kf_j = k_j exp(G_m - G_j) decayed to a reference row m between them:
+    (dP kf_j, dM kf_j), the sums of dq and dk before their decay exp(G_i - G_m); dM's is 0 unless WITH_M."""
+    dq = _dot(_chunk_block(pb, row_i, col_j, BT, BC, False), kf_j, PREC)
+    if WITH_M:
+        dkr = _dot(_chunk_block(mb, row_i, col_j, BT, BC, False), kf_j, PREC)
+    else:
+        dkr = tl.zeros_like(dq)
+    return dq, dkr
+
+
+@triton.jit
+def _kda_bwd_cols(pb, mb, row_i, col_j, kf_i, qf_i, WITH_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  PREC: tl.constexpr):
+    """Column role of sub-chunk columns j (chunk column col_j on) against the rows i of a later sub-chunk (row row_i
+    on of pb, mb), kf_i, qf_i = k_i, q_i exp(G_i - G_m): dP^T qf_i + dM^T kf_i (dM's only WITH_M), the sum of dk
+    before its decay exp(G_m - G_j)."""
+    dkc = _dot(_chunk_block(pb, row_i, col_j, BT, BC, True), qf_i, PREC)
+    if WITH_M:
+        dkc += _dot(_chunk_block(mb, row_i, col_j, BT, BC, True), kf_i, PREC)
+    return dkc
+
+
+@triton.jit
+def _kda_bwd_level(Gs, ck, G, k, q, dp_d, dp_t, dm_d, dm_t, dq, dkr, dkc, K: tl.constexpr, WITH_M: tl.constexpr,
+                   S: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Level S of _kda_bwd_diag: the pairs (i, j) of a sub-chunk's diagonal block (dP, dM and their transposes
+    dp_d, dp_t, dm_d, dm_t) with i in the second and j in the first half of the same S-row group, through the
+    group's middle row m; returns dq, dkr, dkc with their sums added."""
+    HS: tl.constexpr = S // 2
+    oc = tl.arange(0, BC)
+    second = (oc % S) >= HS
+    same = (oc[:, None] // S) == (oc[None, :] // S)
+    pairs = same & second[:, None] & (oc % S < HS)[None, :]
+    pairs_t = same & (oc % S < HS)[:, None] & second[None, :]
+    G_m = tl.load(Gs + ((oc // S) * S + HS)[:, None] * K + ck[None, :])
+    f = tl.exp(tl.where(second[:, None], G - G_m, G_m - G))
+    kf = k * f
+    dq += f * _dot(tl.where(pairs, dp_d, 0.), kf, PREC)
+    c = _dot(tl.where(pairs_t, dp_t, 0.), q * f, PREC)
+    if WITH_M:
+        dkr += f * _dot(tl.where(pairs, dm_d, 0.), kf, PREC)
+        c += _dot(tl.where(pairs_t, dm_t, 0.), kf, PREC)
+    dkc += f * c
+    return dq, dkr, dkc
+
+
+@triton.jit
+def _kda_bwd_diag(Gs, pb, mb, row0, col0, ck, G, k, q, K: tl.constexpr, WITH_M: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr, PREC: tl.constexpr):
+    """The diagonal BC x BC block of a sub-chunk (rows row0 on of the dP, dM bases pb, mb, chunk column col0 on;
+    Gs: its first row of G; G, k, q: its [BC, BK] tiles): (dq, dkr, dkc), the row-role sums of dq and dk and the
+    column-role sum of dk over its pairs j <= i. The pairs j < i are split by the binary hierarchy of the block:
+    at level S (16, 8, 4, 2) the pairs with i in the second and j in the first half of the same S-row group, all
+    decayed through the group's middle row m, exp(G_i - G_m) exp(G_m - G_j) (both exponents <= 0): one [BC, BK]
+    exp tile and masked [BC, BC] products per level (_kda_bwd_level), in place of BC exps per entry. The pairs
+    i = j have no decay; their dG terms (q dP_ii k - k dP_ii q) cancel."""
+    tl.static_assert(BC == 16)
+    oc = tl.arange(0, BC)
+    dp_d = _chunk_block(pb, row0, col0, BT, BC, False)
+    dp_t = _chunk_block(pb, row0, col0, BT, BC, True)
+    p_ii = tl.load(pb + (row0 + oc) * BT + col0 + oc)[:, None]
+    dq = p_ii * k
+    dkc = p_ii * q
+    if WITH_M:
+        dm_d = _chunk_block(mb, row0, col0, BT, BC, False)
+        dm_t = _chunk_block(mb, row0, col0, BT, BC, True)
+        dkr = tl.zeros_like(dq)
+    else:
+        dm_d = dp_d     # placeholders, unused without M
+        dm_t = dp_t
+        dkr = dq
+    dq, dkr, dkc = _kda_bwd_level(Gs, ck, G, k, q, dp_d, dp_t, dm_d, dm_t, dq, dkr, dkc, K, WITH_M, BC, BC, PREC)
+    dq, dkr, dkc = _kda_bwd_level(Gs, ck, G, k, q, dp_d, dp_t, dm_d, dm_t, dq, dkr, dkc, K, WITH_M, BC // 2, BC,
+                                  PREC)
+    dq, dkr, dkc = _kda_bwd_level(Gs, ck, G, k, q, dp_d, dp_t, dm_d, dm_t, dq, dkr, dkc, K, WITH_M, BC // 4, BC,
+                                  PREC)
+    dq, dkr, dkc = _kda_bwd_level(Gs, ck, G, k, q, dp_d, dp_t, dm_d, dm_t, dq, dkr, dkc, K, WITH_M, BC // 8, BC,
+                                  PREC)
+    if not WITH_M:
+        dkr = tl.zeros_like(dq)
+    return dq, dkr, dkc
+
+
+@triton.jit
+def _kda_bwd_add(dq_ptr, dk_ptr, dg_ptr, imask, k, q, dq_add, dkr, dkc):
+    """dq += dq_add, dk += dkr + dkc, dG += q dq_add + k (dkr - dkc) on one sub-chunk's [BC, BK] block."""
+    tl.store(dq_ptr, tl.load(dq_ptr, mask=imask, other=0.) + dq_add, mask=imask)
+    tl.store(dk_ptr, tl.load(dk_ptr, mask=imask, other=0.) + dkr + dkc, mask=imask)
+    tl.store(dg_ptr, tl.load(dg_ptr) + q * dq_add + k * (dkr - dkc))
+
+
+@triton.jit
+def _kda_bwd_tile(x, row, stride, ck, T, BC: tl.constexpr):
+    """Rows [row, row + BC) of an input [B, T, ., K] (base x at the head, row stride ``stride``) as float32, zeros
+    past T."""
+    r = row + tl.arange(0, BC)
+    return tl.load(x + r[:, None] * stride + ck[None, :], mask=(r < T)[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _kda_intra_bwd_rows(q, k, Gc, dP, dM, dq, dk, dG, i_b, i_h, i_bh, iq, t0, I, ck, T, Tp, H, NG,
+                        K: tl.constexpr, WITH_M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        PREC: tl.constexpr):
+    """Sub-chunk I's rows of _kda_intra_bwd_kernel for one query head (P terms; M's too WITH_M), added into dq,
+    dk and dG."""
+    Hq = H * NG
+    i_hq = i_h * NG + iq
+    oc = tl.arange(0, BC)
+    kb = k + (i_b * T * H + i_h) * K
+    qb = q + (i_b * T * Hq + i_hq) * K
+    pb = dP + (i_b * Hq + i_hq) * Tp * BT
+    mb = dM + i_bh * Tp * BT
+    Gs = Gc + (i_bh * Tp + t0) * K          # the chunk's first row of G
+    KS = H * K
+    QS = Hq * K
+    r_i = t0 + I * BC
+    G = tl.load(Gs + (I * BC + oc)[:, None] * K + ck[None, :])
+    k_i = _kda_bwd_tile(kb, r_i, KS, ck, T, BC)
+    q_i = _kda_bwd_tile(qb, r_i, QS, ck, T, BC)
+    dq_i, dkr, dkc = _kda_bwd_diag(Gs + I * BC * K, pb, mb, r_i, I * BC, ck, G, k_i, q_i, K, WITH_M, BT, BC, PREC)
+    # level 32: sub-chunk 2p + 1 against 2p through its first row m
+    J = I ^ 1
+    r_j = t0 + J * BC
+    g_m = tl.load(Gs + (I | 1) * BC * K + ck)[None, :]
+    G_j = tl.load(Gs + (J * BC + oc)[:, None] * K + ck[None, :])
+    k_j = _kda_bwd_tile(kb, r_j, KS, ck, T, BC)
+    if I % 2 == 1:
+        f_i = tl.exp(G - g_m)
+        a, b = _kda_bwd_rows(pb, mb, r_i, J * BC, k_j * tl.exp(g_m - G_j), WITH_M, BT, BC, PREC)
+        dq_i += f_i * a
+        dkr += f_i * b
+    else:
+        f_j = tl.exp(G_j - g_m)
+        c = _kda_bwd_cols(pb, mb, r_j, I * BC, k_j * f_j, _kda_bwd_tile(qb, r_j, QS, ck, T, BC) * f_j, WITH_M, BT,
+                          BC, PREC)
+        dkc += tl.exp(g_m - G) * c
+    # level 64: sub-chunks 2, 3 against 0, 1 through row 2 BC
+    g_m = tl.load(Gs + 2 * BC * K + ck)[None, :]
+    if I >= 2:
+        G_j = tl.load(Gs + oc[:, None] * K + ck[None, :])
+        a, b = _kda_bwd_rows(pb, mb, r_i, 0, _kda_bwd_tile(kb, t0, KS, ck, T, BC) * tl.exp(g_m - G_j), WITH_M, BT,
+                             BC, PREC)
+        G_j = tl.load(Gs + (BC + oc)[:, None] * K + ck[None, :])
+        a2, b2 = _kda_bwd_rows(pb, mb, r_i, BC, _kda_bwd_tile(kb, t0 + BC, KS, ck, T, BC) * tl.exp(g_m - G_j),
+                               WITH_M, BT, BC, PREC)
+        f_i = tl.exp(G - g_m)
+        dq_i += f_i * (a + a2)
+        dkr += f_i * (b + b2)
+    else:
+        G_j = tl.load(Gs + (2 * BC + oc)[:, None] * K + ck[None, :])
+        f_j = tl.exp(G_j - g_m)
+        c = _kda_bwd_cols(pb, mb, t0 + 2 * BC, I * BC, _kda_bwd_tile(kb, t0 + 2 * BC, KS, ck, T, BC) * f_j,
+                          _kda_bwd_tile(qb, t0 + 2 * BC, QS, ck, T, BC) * f_j, WITH_M, BT, BC, PREC)
+        G_j = tl.load(Gs + (3 * BC + oc)[:, None] * K + ck[None, :])
+        f_j = tl.exp(G_j - g_m)
+        c += _kda_bwd_cols(pb, mb, t0 + 3 * BC, I * BC, _kda_bwd_tile(kb, t0 + 3 * BC, KS, ck, T, BC) * f_j,
+                           _kda_bwd_tile(qb, t0 + 3 * BC, QS, ck, T, BC) * f_j, WITH_M, BT, BC, PREC)
+        dkc += tl.exp(g_m - G) * c
+    ri = r_i + oc
+    imask = (ri < T)[:, None]
+    _kda_bwd_add(dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :],
+                 dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :],
+                 dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :], imask, k_i, q_i, dq_i, dkr, dkc)
+
+
+@triton.jit
+def _kda_intra_bwd_kernel(q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, iq, K: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr, BK: tl.constexpr, WITH_M: tl.constexpr, PREC: tl.constexpr):
     """KDA: gradients through the per-channel decayed products M (from dM) and P (from dP), in their row role (i)
     and their column role (j); adds them into dq, dk and dG (per channel c, E_ij = exp(G_ic - G_jc)):
         M: row role  dk_i = sum_{j<i} dM_ij k_j E_ij;   column role  dk_j = sum_{i>j} dM_ij k_i E_ij
         P: row role  dq_i = sum_{j<=i} dP_ij k_j E_ij;  column role  dk_j = sum_{i>=j} dP_ij q_i E_ij
         dG_i = k_i (M row role - M column role) + q_i (P row role) - k_i (P column role)
-    One program per (key block of BK channels, chunk): the key blocks are independent, and one program owns
-    its [BT, BK] block of dq, dk and dG, so the chunk's tiles of G and k are loaded once and every entry gets
-    a single read-modify-write (the old values are loaded first, to hide their latency behind the products).
-    The NS = BT / BC sub-chunks are unrolled. Per sub-chunk, the off-diagonal sub-blocks take one tl.dot each
-    against a reference row of the sub-chunk, its last row r1 for the column role (later rows i) and its first
-    row r0 for the row role (earlier rows j), so that every exponent is <= 0; the first sub-chunk has no row-role
-    and the last no column-role off-diagonal terms. The BC x BC diagonal block is elementwise, as [BC, BC, BK]
-    terms whose decays exp(-|G_i - G_j|) are evaluated once for M and every query head of the group. The
-    column-role tiles are dead before the diagonal block; the row role's decayed k stays live for each query
-    head's dq, which then needs one read-modify-write."""
+    One program per (sub-chunk I of BC rows, key block of BK channels, chunk): the channels are independent, and
+    one program owns its [BC, BK] block of dq, dk and dG, so every entry gets a single read-modify-write (per
+    query head). The pairs j < i follow the binary hierarchy of the chunk (BT = 4 BC): at each level the pairs
+    with i in the second and j in the first half of a row group go through the group's middle row m,
+    E_ij = exp(G_i - G_m) exp(G_m - G_j) (both exponents <= 0), as [BC, BC] x [BC, BK] tl.dots of dP, dM blocks
+    with decayed k, q tiles: level 64 (rows of sub-chunks 2, 3 against columns of 0, 1, through row 2 BC), level
+    32 (1 against 0, 3 against 2), then levels 16, 8, 4, 2 inside the sub-chunk (_kda_bwd_diag, masked blocks).
+    A program takes 9 [BC, BK] exp tiles (its own rows at each of the 6 levels, the other sub-chunks' rows at
+    the 2 outer ones), where a decay per pair takes BT / 2 exps per entry on average. One launch per query head
+    iq of the group, one after the other (they add into the same dk, dG): the first (WITH_M) also takes the M
+    terms, sharing its decays. (A loop over the heads inside the program doubled its registers, to spills.)"""
+    tl.static_assert(BT == 4 * BC)
     NS: tl.constexpr = BT // BC
-    i_k, i_t = tl.program_id(0), tl.program_id(1)
+    i_k, I = tl.program_id(0) // NS, tl.program_id(0) % NS
+    i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    Hq = H * NG
     t0 = i_t * BT
     ck = i_k * BK + tl.arange(0, BK)
-    oc = tl.arange(0, BC)
-    la = tl.arange(0, BT)
-    ra = t0 + la
-    amask = (ra < T)[:, None]
-    Gb = Gc + i_bh * Tp * K
-    kb = k + (i_b * T * H + i_h) * K
-    mb = dM + i_bh * Tp * BT
-    G_a = tl.load(Gb + ra[:, None] * K + ck[None, :])
-    k_a = tl.load(kb + ra[:, None] * (H * K) + ck[None, :], mask=amask, other=0.).to(tl.float32)
-    for i_i in tl.static_range(NS):
-        r0 = t0 + i_i * BC
-        r1 = r0 + BC - 1
-        ri = r0 + oc
-        lb = i_i * BC + oc
-        imask = (ri < T)[:, None]
-        dk_ptr = dk + ((i_b * T + ri[:, None]) * H + i_h) * K + ck[None, :]
-        dg_ptr = dG + (i_bh * Tp + ri[:, None]) * K + ck[None, :]
-        # the values to add to, loaded first so that their latency hides behind the products below
-        dk_add = tl.load(dk_ptr, mask=imask, other=0.)
-        dg_add = tl.load(dg_ptr)
-        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
-        k_i = tl.load(kb + ri[:, None] * (H * K) + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        if i_i < NS - 1:
-            # rows i > r1 (later sub-chunks) against the reference row r1
-            g_r1 = tl.load(Gb + r1 * K + ck)
-            after = (la >= (i_i + 1) * BC)[:, None]
-            e_a1 = tl.where(after, tl.exp(tl.where(after, G_a - g_r1[None, :], 0.)), 0.)
-            e_c = tl.exp(g_r1[None, :] - G_i)
-            dkc = e_c * _dot(tl.trans(tl.load(mb + ra[:, None] * BT + lb[None, :])), k_a * e_a1, PREC)
-            for iq in range(NG):
-                i_hq = i_h * NG + iq
-                q_a = tl.load(q + ((i_b * T + ra[:, None]) * Hq + i_hq) * K + ck[None, :], mask=amask,
-                              other=0.).to(tl.float32)
-                pb = dP + (i_b * Hq + i_hq) * Tp * BT
-                dkc += e_c * _dot(tl.trans(tl.load(pb + ra[:, None] * BT + lb[None, :])), q_a * e_a1, PREC)
-            dk_add += dkc
-            dg_add -= k_i * dkc
-        if i_i > 0:
-            # rows j < r0 (earlier sub-chunks) against the reference row r0
-            g_r0 = tl.load(Gb + r0 * K + ck)
-            before = (la < i_i * BC)[:, None]
-            k_r = tl.where(before, k_a * tl.exp(tl.where(before, g_r0[None, :] - G_a, 0.)), 0.)
-            e_i = tl.exp(G_i - g_r0[None, :])
-            dkr = e_i * _dot(tl.load(mb + ri[:, None] * BT + la[None, :]), k_r, PREC)
-            dk_add += dkr
-            dg_add += k_i * dkr
-        # diagonal block: terms [s, t, c] reduced over their first row s, which lies within each thread (no
-        # shuffles); the decays are symmetric in s and t, so the row roles take dM, dP transposed
-        dec = _kda_diag_decay(G_i, BC, False)
-        k_s = k_i[:, None, :]
-        dm_st = tl.load(mb + ri[:, None] * BT + lb[None, :])[:, :, None]          # 0 for t >= s
-        dm_ts = tl.load(mb + ri[None, :] * BT + lb[:, None])[:, :, None]
-        dkr = tl.sum(dm_ts * k_s * dec, 0)
-        dkc = tl.sum(dm_st * k_s * dec, 0)
-        dk_add += dkr + dkc
-        dg_add += k_i * (dkr - dkc)
-        for iq in range(NG):
-            i_hq = i_h * NG + iq
-            pb = dP + (i_b * Hq + i_hq) * Tp * BT
-            dq_ptr = dq + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :]
-            dq_old = tl.load(dq_ptr, mask=imask, other=0.)
-            q_i = tl.load(q + ((i_b * T + ri[:, None]) * Hq + i_hq) * K + ck[None, :], mask=imask,
-                          other=0.).to(tl.float32)
-            dp_st = tl.load(pb + ri[:, None] * BT + lb[None, :])[:, :, None]      # 0 for t > s
-            dp_ts = tl.load(pb + ri[None, :] * BT + lb[:, None])[:, :, None]
-            dqb = tl.sum(dp_ts * k_s * dec, 0)
-            dkb = tl.sum(dp_st * (q_i[:, None, :] * dec), 0)
-            if i_i > 0:
-                dqb += e_i * _dot(tl.load(pb + ri[:, None] * BT + la[None, :]), k_r, PREC)
-            tl.store(dq_ptr, dq_old + dqb, mask=imask)
-            dk_add += dkb
-            dg_add += q_i * dqb - k_i * dkb
-        tl.store(dk_ptr, dk_add, mask=imask)
-        tl.store(dg_ptr, dg_add)
+    _kda_intra_bwd_rows(q, k, Gc, dP, dM, dq, dk, dG, i_b, i_h, i_bh, iq, t0, I, ck, T, Tp, H, NG, K, WITH_M, BT,
+                        BC, PREC)
 
 
 @triton.jit
