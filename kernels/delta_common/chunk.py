@@ -25,10 +25,11 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
             -> _solve_wy [NT, bh] (T, W, U; KDA also k exp(G_last - G))
             -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
   backward: recompute the forward up to _state_fwd (keeping T, h, V'; KDA reuses G, M, P kept by the
-            forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] -> _state_bwd [V/BV, bh]
-            (reverse over chunks) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [K/BK, NT, bh]
-            -> _rev_cumsum [NT, bh] (dg from dG); _kda_intra_bwd's grid is [NS * K/BK, NT, bh] (one program per
-            sub-chunk and key block), launched once per query head of the group
+            forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] (KDA: also
+            QG = scale q exp(G) [B, Hq, Tp, K]) -> _state_bwd [V/STATE_BWD_BV, bh] (reverse over chunks; reads
+            KDA's decayed products Kd and QG, so its sequential loop takes no per-channel exps) -> _bwd_dqk [NT, bh]
+            -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [NS * K/BK, NT, bh] (one program per sub-chunk and key
+            block, launched once per query head of the group) -> _rev_cumsum [NT, bh] (dg from dG)
 The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy) take K in blocks (KDA_BK and
 KDA_DIAG_BK, WY_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA sub-chunk kernel takes the
 off-diagonal sub-blocks and the diagonal blocks in separate passes over K, so that the tiles of one are not live
@@ -45,7 +46,7 @@ which makes them exact no-ops.
 Precision (PREC of the products; _precisions):
   fp32 inputs: every intermediate fp32, exact ("ieee") products.
   bf16 inputs with LOW_PRECISION_INTERMEDIATES (default): the buffers in BF16_BUFFERS (W, U, Kd, the chunk
-    states Hs, V', and dHs, dV') are stored in bf16 and the kernels in BF16_DOT_KERNELS feed their products
+    states Hs, V', and dHs, dV', KDA's QG) are stored in bf16 and the kernels in BF16_DOT_KERNELS feed their products
     bf16 operands with fp32 accumulation (PREC "bf16"), as flash-linear-attention does; the state carried
     across chunks, G, M, P, T's block merges, the gradient accumulators and the final state stay fp32, and
     KDA's decayed sub-chunk products and T's block merges use TF32 (PREC_HI). Under the CPU interpreter, whose
@@ -73,7 +74,14 @@ from .chunk_fwd_kernels import _cumsum_kernel, _kda_intra_kernel, _output_kernel
 # Tunable launch constants (Hopper defaults).
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
-BLOCK_V = 32        # BV: value-dimension block of the sequential state kernels and the backward chunk kernels
+BLOCK_V = 32        # BV: value-dimension block of _state_fwd and the backward chunk kernels
+STATE_BWD_BV = 32   # value-dimension block of _state_bwd on the bf16 path (V / STATE_BWD_BV programs per kv head)
+STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates (TF32 or exact products): at 32, KDA's fp32 Kd, W, QG
+                        # tiles make the TF32 kernel ask 233472 bytes of shared memory at 2 stages (over sm_90's
+                        # 232448; 215040 at 16), and the exact one spills 2272 bytes (384 at 16)
+# shared memory that _state_bwd's pipelined loads may take (all stages): sm_90's 232448 bytes per block less ~32 KB
+# that its products and layout conversions use besides (measured 16-29 KB, offline compiles, triton 3.9)
+STATE_BWD_STAGE_SMEM = 200 * 1024
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks;
                     # at 32 its [64, 32] tiles of the last sub-chunk take 255 registers and spill at 4 warps)
@@ -111,14 +119,14 @@ OUTPUT_FEW_WARPS_MIN_BV = 64
 FP32_INPUT_DOT_PRECISION = "ieee"
 LOW_PRECISION_INPUT_DOT_PRECISION = "tf32"
 # bf16 inputs: keep the big intermediates (W, U, KDA's Kd, chunk states Hs, pseudo-values V', and in the backward
-# dHs, dV') in bf16 and feed the products bf16 operands with fp32 accumulation, as flash-linear-attention does
-# (half the bytes, bf16 tensor cores). The state carried across chunks, G, T's block merges, M, P, the gradient
+# dHs, dV', KDA's QG) in bf16 and feed the products bf16 operands with fp32 accumulation, as flash-linear-attention
+# does (half the bytes, bf16 tensor cores). The state carried across chunks, G, T's block merges, M, P, the gradient
 # accumulators and the final state stay fp32. False: the previous path (fp32 intermediates, TF32 products).
 LOW_PRECISION_INTERMEDIATES = True
 # with LOW_PRECISION_INTERMEDIATES: the kernels whose products take bf16 operands (the others use PREC_HI) and
 # the intermediates stored in bf16 (the others fp32)
 BF16_DOT_KERNELS = {"solve_wy", "state_fwd", "output", "dv_local", "state_bwd", "bwd_dqk", "bwd_wy"}
-BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp"}
+BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp", "QG"}
 
 
 def _kw(name, per_channel=False):
@@ -126,6 +134,17 @@ def _kw(name, per_channel=False):
         value = table.get(name + "_kda") if per_channel else None
         return value or table.get(name, default)
     return dict(num_warps=pick(WARPS, NUM_WARPS), num_stages=pick(STAGES, NUM_STAGES))
+
+
+def _state_bwd_kw(per_channel, NG, K, BT, BV, in_bytes, buf_bytes):
+    """_kw("state_bwd") with its stages capped to fit STATE_BWD_STAGE_SMEM: each stage holds the chunk's W and Kd
+    (KDA) or k (GDN) [BT, K] tiles and per query head a [BT, K] QG (KDA) or q (GDN) and a [BT, BV] dO, so
+    grouped query heads (NG = 4 on the bf16 path, 2 with fp32 intermediates) leave room for one stage only."""
+    kw = _kw("state_bwd", per_channel)
+    k_bytes, q_bytes = (buf_bytes, buf_bytes) if per_channel else (in_bytes, in_bytes)
+    stage = BT * K * (buf_bytes + k_bytes + NG * q_bytes) + NG * BT * BV * in_bytes
+    kw["num_stages"] = max(1, min(kw["num_stages"], STATE_BWD_STAGE_SMEM // stage))
+    return kw
 
 
 def _output_kw(block_v):
@@ -169,7 +188,7 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=
     def dt(buffer):
         return idt if buffer in BF16_BUFFERS else f32
 
-    c = dict(p=p, dt=dt)
+    c = dict(p=p, dt=dt, low=low)
     if intra is not None:
         Gc, M, P = intra
     else:
@@ -225,14 +244,19 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
     Gc = c["Gc"]
     dVl = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
     BVO = min(BLOCK_V_OUT, V)
-    _dv_local_kernel[(V // BVO, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, scale, T, Tp, H, NG,
+    QG = torch.empty(B, Hq, Tp, K, device=dev, dtype=c["dt"]("QG")) if per_channel else dVl
+    _dv_local_kernel[(V // BVO, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, QG, scale, T, Tp, H, NG,
                                            K=K, V=V, BT=BT, BV=BVO, PER_CHANNEL=per_channel, PREC=c["p"]("dv_local"), **_kw("dv_local"))
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=c["dt"]("dHs"))
     dVp = torch.empty(B, H, Tp, V, device=dev, dtype=c["dt"]("dVp"))
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32)
-    _state_bwd_kernel[(V // BV, B * H)](q, k, c["Kd"], Gc, c["W"], dVl, do, dHs, dVp, dhT if dhT is not None else dh0, dh0,
-                                        scale, T, Tp, NT, H, NG, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel,
-                                        HAS_DHT=dhT is not None, PREC=c["p"]("state_bwd"), **_kw("state_bwd"))
+    BVS = min(STATE_BWD_BV if c["low"] else STATE_BWD_FP32_BV, V)
+    _state_bwd_kernel[(V // BVS, B * H)](q, QG, k, c["Kd"], Gc, c["W"], dVl, do, dHs, dVp,
+                                         dhT if dhT is not None else dh0, dh0, scale, T, Tp, NT, H, K=K, V=V, BT=BT,
+                                         BV=BVS, NG=NG, PER_CHANNEL=per_channel, HAS_DHT=dhT is not None,
+                                         PREC=c["p"]("state_bwd"),
+                                         **_state_bwd_kw(per_channel, NG, K, BT, BVS, q.element_size(),
+                                                         c["W"].element_size()))
     dq = torch.empty(B, T, Hq, K, device=dev, dtype=f32)
     dk = torch.empty(B, T, H, K, device=dev, dtype=f32)
     dW = torch.empty(B, H, Tp, K, device=dev, dtype=f32)

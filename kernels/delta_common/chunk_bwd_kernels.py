@@ -11,9 +11,10 @@ from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cas
 
 
 @triton.jit
-def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr, V: tl.constexpr,
+def _dv_local_kernel(q, k, Gc, P, do, dVl, QG, scale, T, Tp, H, NG, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
-    """dV'_local = scale * sum over the group's query heads of P^T dO."""
+    """dV'_local = scale * sum over the group's query heads of P^T dO. KDA: the value block 0 programs also store
+    QG = scale q exp(G) [B, Hq, Tp, K] for _state_bwd, whose sequential loop then takes no per-channel exps."""
     i_v, i_t = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -28,6 +29,13 @@ def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr,
         G = tl.load(Gc + i_bh * Tp + rows)
         k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
         dec = _gdn_decay(G, False, BT)
+    elif i_v == 0:
+        eg = scale * tl.exp(tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :]))
+        for iq in range(NG):
+            i_hq = i_h * NG + iq
+            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.)
+            qg = q_c.to(tl.float32) * eg
+            _store_cast(QG + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * K + ck[None, :], qg, PREC)
     for iq in range(NG):
         i_hq = i_h * NG + iq
         if PER_CHANNEL:
@@ -41,11 +49,16 @@ def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr,
 
 
 @triton.jit
-def _state_bwd_kernel(q, k, Kd, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T, Tp, NT, H, NG, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                      HAS_DHT: tl.constexpr, PREC: tl.constexpr):
-    """Reverse pass over chunks: dHs[c] = gradient of the state leaving chunk c,
-    dV' = dV'_local + (k exp(G_last - G)) dS', dS <- exp(G_last) dS' + scale (q exp(G))^T dO - W^T dV'."""
+def _state_bwd_kernel(q, QG, k, Kd, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T, Tp, NT, H, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NG: tl.constexpr,
+                      PER_CHANNEL: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """Reverse pass over chunks: dHs[c] = gradient dS' of the state leaving chunk c,
+    dV' = dV'_local + (k exp(G_last - G)) dS', dS <- exp(G_last) dS' + scale (q exp(G))^T dO - W^T dV'.
+    The loop exponentiates no [BT, K] tile: KDA reads both decayed products precomputed in parallel kernels
+    (Kd from _solve_wy, QG = scale q exp(G) from _dv_local); GDN, whose decays are per row, scales the rows of
+    the [BT, BV] tiles instead (k dS' and dO), so that k and q go to the products as loaded. NG is a constexpr
+    and the query-head loop unrolled: triton software-pipelines only innermost loops, so with grouped query
+    heads a runtime loop would leave every load of the chunk loop synchronous."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -57,37 +70,46 @@ def _state_bwd_kernel(q, k, Kd, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T, Tp
         dh = tl.load(dhT + (i_bh * K + ck[:, None]) * V + cv[None, :]).to(tl.float32)
     else:
         dh = tl.zeros([K, BV], dtype=tl.float32)
+    # dV'_local and KDA's G_last are prefetched one chunk ahead by hand: triton pipelines neither (dV'_local
+    # becomes the accumulator of the first product), and both are needed early in the chunk's dependency chain
+    dvl_next = tl.load(dVl + (i_bh * Tp + (NT - 1) * BT + o[:, None]) * V + cv[None, :])
+    if PER_CHANNEL:
+        gl_next = tl.load(Gc + (i_bh * Tp + NT * BT - 1) * K + ck)
     for it in range(NT):
         i_t = NT - 1 - it
         rows = i_t * BT + o
         rmask = rows < T
+        prev = tl.maximum(i_t - 1, 0)   # the chunk of the next step (chunk 0 reloads its own)
+        dvl = dvl_next
+        dvl_next = tl.load(dVl + (i_bh * Tp + prev * BT + o[:, None]) * V + cv[None, :])
         _store_cast(dHs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :], dh, PREC)
-        last = i_t * BT + BT - 1
         if PER_CHANNEL:
-            G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
-            gl = tl.load(Gc + (i_bh * Tp + last) * K + ck)
-            kd = tl.load(Kd + (i_bh * Tp + rows[:, None]) * K + ck[None, :])   # k exp(G_last - G), from _solve_wy
-            eg = tl.exp(G)
+            decay_last = tl.exp(gl_next)[:, None]
+            gl_next = tl.load(Gc + (i_bh * Tp + prev * BT + BT - 1) * K + ck)
         else:
-            k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
             G = tl.load(Gc + i_bh * Tp + rows)
-            gl = tl.load(Gc + i_bh * Tp + last)
-            kd = k_c * tl.exp(gl - G)[:, None]
-            eg = tl.exp(G)[:, None]
-        dvp = tl.load(dVl + (i_bh * Tp + rows[:, None]) * V + cv[None, :]) + _dot(kd, dh, PREC)
-        _store_cast(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :], dvp, PREC)
-        qdo = tl.zeros([K, BV], dtype=tl.float32)
-        for iq in range(NG):
+            gl = tl.load(Gc + i_bh * Tp + i_t * BT + BT - 1)
+            decay_last = tl.exp(gl)
+        # the query heads' products (independent of dS') go onto the decayed state ahead of dS'-dependent ones
+        dh_in = dh * decay_last
+        for iq in tl.static_range(NG):
             i_hq = i_h * NG + iq
-            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
-            do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
-            qdo += _dot(tl.trans(q_c * eg), do_c, PREC)
-        w = tl.load(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+            do_c = tl.load(do + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :], mask=rmask[:, None], other=0.)
+            if PER_CHANNEL:
+                qg = tl.load(QG + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * K + ck[None, :])
+                dh_in += _dot(tl.trans(qg), do_c, PREC)
+            else:
+                q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.)
+                dh_in += _dot(tl.trans(q_c), do_c.to(tl.float32) * (scale * tl.exp(G))[:, None], PREC)
         if PER_CHANNEL:
-            dh = dh * tl.exp(gl)[:, None]
+            kd = tl.load(Kd + (i_bh * Tp + rows[:, None]) * K + ck[None, :])   # k exp(G_last - G), from _solve_wy
+            dvp = dvl + _dot(kd, dh, PREC)
         else:
-            dh = dh * tl.exp(gl)
-        dh += scale * qdo - _dot(tl.trans(w), dvp, PREC)
+            k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.)
+            dvp = dvl + tl.exp(gl - G)[:, None] * _dot(k_c, dh, PREC)
+        _store_cast(dVp + (i_bh * Tp + rows[:, None]) * V + cv[None, :], dvp, PREC)
+        w = tl.load(W + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
+        dh = dh_in - _dot(tl.trans(w), dvp, PREC)
     tl.store(dh0 + (i_bh * K + ck[:, None]) * V + cv[None, :], dh)
 
 
