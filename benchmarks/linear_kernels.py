@@ -3,7 +3,8 @@
 One run, same inputs for every implementation: H=32, K=V=128, bf16 (fp32 gates and state).
 
 - chunk forward, GDN and KDA, at (B=1, T=16384) and (B=4, T=8192)
-- chunk forward + backward, GDN and KDA, at (B=1, T=16384)
+- chunk forward + backward, GDN and KDA, at (B=1, T=16384), with the memory the forward holds for the backward
+  (autograd's saved intermediates and the output) and the peak over both
 - recurrent decode step (T=1, state updated), GDN and KDA, at B=1 and B=64, plain launch and CUDA graph
 - torch SDPA causal (flash backend) forward at T=16384 and 65536, and at the chunk shapes
 
@@ -123,9 +124,26 @@ def try_bench(fn) -> tuple[float | None, str]:
         return None, f"refused: {type(error).__name__}: {message}"
 
 
-def chunk_rows(ours, fla, rows: list[Row]) -> None:
+def fwd_bwd_memory_mb(step_forward, do) -> dict:
+    """Memory of one forward + backward, in MB beyond what was allocated before it: "held" = what the forward
+    leaves allocated for the backward (autograd's saved intermediates plus the output o), "peak" = the peak over
+    forward and backward."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o = step_forward()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    o.backward(do)
+    del o
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"held_mb": round(held / 2**20, 1), "peak_mb": round(peak / 2**20, 1)}
+
+
+def chunk_rows(ours, fla, rows: list[Row], kinds=("gdn", "kda")) -> None:
     scale = K ** -0.5
-    for kind in ("gdn", "kda"):
+    for kind in kinds:
         for B, T in CHUNK_SHAPES:
             q, k, v, g, beta = make_inputs(B, T, kind == "kda")
             row = Row(f"{kind} chunk fwd", f"B={B} T={T}", B * T)
@@ -151,15 +169,20 @@ def chunk_rows(ours, fla, rows: list[Row]) -> None:
             if ops is None or f"chunk_{kind}" not in ops:
                 continue
             op = ops[f"chunk_{kind}"]
-            def step():
+            def forward():
                 for t in (q, k, v, g, beta):
                     t.grad = None
-                o, _ = op(q, k, v, g, beta, scale=scale)
-                o.backward(do)
-            ms, note = try_bench(step)
+                return op(q, k, v, g, beta, scale=scale)[0]
+            ms, note = try_bench(lambda: forward().backward(do))
             setattr(row, attr, ms)
             if note:
                 notes.append(f"{who} {note}")
+            else:
+                for t in (q, k, v, g, beta):
+                    t.grad = None  # freed before the baseline, so that "held" starts from the inputs alone
+                memory = fwd_bwd_memory_mb(forward, do)
+                row.extra[who] = memory
+                notes.append(f"{who} held {memory['held_mb']:.0f} MB, peak {memory['peak_mb']:.0f} MB")
         row.note = "; ".join(notes)
         rows.append(row)
         print_row(row)
@@ -449,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel of our chunk kernels")
     parser.add_argument("--only", choices=["chunk", "decode", "sdpa"], action="append",
                         help="run only these groups (repeatable); default all")
+    parser.add_argument("--kind", choices=["gdn", "kda"], action="append",
+                        help="chunk rows of these layer kinds only (repeatable); default both")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_kernels.py needs a CUDA GPU")
@@ -485,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = args.only or ["chunk", "decode", "sdpa"]
         rows: list[Row] = []
         if "chunk" in groups:
-            chunk_rows(ours, fla, rows)
+            chunk_rows(ours, fla, rows, tuple(args.kind or ("gdn", "kda")))
         if "decode" in groups:
             decode_rows(ours, fla, rows)
         if "sdpa" in groups:
