@@ -222,7 +222,7 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
         c.update(Hs=kept["Hs"], Vp=kept["Vp"], hT=None)
         return c
     if U is None:
-        raise ValueError("_fwd_core: W kept without U or the chunk states (see _kept_for_backward)")
+        raise RuntimeError("_fwd_core: W kept without U or the chunk states (see _kept_for_backward)")
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=dt("Hs"))
     Vp = torch.empty(B, H, Tp, V, device=dev, dtype=dt("Vp"))
     hT = torch.empty(B, H, K, V, device=dev, dtype=f32)
