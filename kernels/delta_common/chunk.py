@@ -57,7 +57,13 @@ Precision (PREC of the products; _precisions):
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
 Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
-(but _kda_intra, run at the 2 warps measured fastest; see WARPS).
+(but _kda_intra and KDA's _solve_wy, run at the 2 warps measured fastest; see WARPS).
+
+_solve_wy: GDN forms the 10 lower blocks k_I k_J^T of M itself (K in blocks of WY_BK, key tiles as loaded, bf16
+operands on the bf16 path), the off-diagonal decays factored about each block row's first row (vectors of exps,
+no [BC, BC] ones); the diagonal blocks enter the forward substitution transposed (no layout conversion per
+step); the column factors of W and U are folded into T's blocks (W = (T diag(beta exp(G))) k, U = (T diag(beta)) v;
+KDA: W = (T diag(beta)) (exp(G) k)), so their key and value tiles enter the products as loaded.
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 
@@ -90,7 +96,7 @@ BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V blo
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks;
                     # at 32 its [64, 32] tiles of the last sub-chunk take 255 registers and spill at 4 warps)
 KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC/2, BC/2] terms at once)
-WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
+WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
                     # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers)
@@ -119,9 +125,12 @@ NUM_STAGES = 2
 # `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
 # 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
-# (2.131 -> 2.000). kda_intra_bwd: 4 warps, unmeasured since its rewrite per sub-chunk (2026-12-01; 142 registers at
-# 4 warps, 104 at 8, spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms at B=1 T=16384 H=32).
-WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 2, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
+# (2.131 -> 2.000). kda_intra_bwd: 4 warps since its rewrite per sub-chunk (2026-11-30; 142 registers at 4 warps,
+# 104 at 8, spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms at B=1 T=16384 H=32).
+# solve_wy (GDN) 2 -> 1 warp since 2026-11-30 (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC]
+# blocks take the mma layout of a single warp, so a second warp holds a copy of every block rather than a share of
+# it; at 1 warp 237 registers and no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none.
+WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 1, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
 STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3}
