@@ -24,12 +24,16 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
   forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT, NG, bh] (M and P together, sharing the exps)
             -> _solve_wy [NT, bh] (T, W, U; KDA also k exp(G_last - G))
             -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
-  backward: recompute the forward up to _state_fwd (keeping T, h, V'; KDA reuses G, M, P kept by the
-            forward when KDA_KEEP_INTRA_FOR_BACKWARD), then _dv_local [V/BV, NT, bh] (KDA: also
-            QG = scale q exp(G) [B, Hq, Tp, K]) -> _state_bwd [V/STATE_BWD_BV, bh] (reverse over chunks; reads
-            KDA's decayed products Kd and QG, so its sequential loop takes no per-channel exps) -> _bwd_dqk [NT, bh]
-            -> _bwd_wy [NT, bh] -> (KDA) _kda_intra_bwd [NS * K/BK, NT, bh] (one program per sub-chunk and key
-            block, launched once per query head of the group) -> _rev_cumsum [NT, bh] (dg from dG)
+  backward: the forward intermediates it needs: G (KDA also M, P), T^-1, W (KDA also Kd), the chunk states Hs
+            and V'. Under autograd the forward keeps them (stores T^-1: STORE_T) and the backward runs none of the
+            forward kernels (KEEP_FORWARD_FOR_BACKWARD; KEEP_CHUNK_STATES_FOR_BACKWARD off keeps U instead of Hs, V'
+            and re-runs _state_fwd; KDA_KEEP_INTRA_FOR_BACKWARD for G, M, P); with the switches off it recomputes
+            them (_fwd_core runs each forward kernel whose outputs were not kept). Inference stores none of them
+            beyond the output's needs. Then _dv_local [V/BV, NT, bh] (KDA: also QG = scale q exp(G) [B, Hq, Tp, K])
+            -> _state_bwd [V/STATE_BWD_BV, bh] (reverse over chunks; reads KDA's decayed products Kd and QG, so its
+            sequential loop takes no per-channel exps) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA)
+            _kda_intra_bwd [NS * K/BK, NT, bh] (one program per sub-chunk and key block, launched once per query
+            head of the group) -> _rev_cumsum [NT, bh] (dg from dG)
 The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy) take K in blocks (KDA_BK and
 KDA_DIAG_BK, WY_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA sub-chunk kernel takes the
 off-diagonal sub-blocks and the diagonal blocks in separate passes over K, so that the tiles of one are not live
@@ -53,7 +57,13 @@ Precision (PREC of the products; _precisions):
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
 Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
-(but _kda_intra, run at the 2 warps measured fastest; see WARPS).
+(but _kda_intra and KDA's _solve_wy, run at the 2 warps measured fastest; see WARPS).
+
+_solve_wy: GDN forms the 10 lower blocks k_I k_J^T of M itself (K in blocks of WY_BK, key tiles as loaded, bf16
+operands on the bf16 path), the off-diagonal decays factored about each block row's first row (vectors of exps,
+no [BC, BC] ones); the diagonal blocks enter the forward substitution transposed (no layout conversion per
+step); the column factors of W and U are folded into T's blocks (W = (T diag(beta exp(G))) k, U = (T diag(beta)) v;
+KDA: W = (T diag(beta)) (exp(G) k)), so their key and value tiles enter the products as loaded.
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 
@@ -86,7 +96,7 @@ BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V blo
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks;
                     # at 32 its [64, 32] tiles of the last sub-chunk take 255 registers and spill at 4 warps)
 KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC/2, BC/2] terms at once)
-WY_BK = 32          # key-dimension block of W = T (beta exp(G) k) in _solve_wy
+WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
                     # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers)
@@ -94,6 +104,17 @@ KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products (137 registers
 # KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
 # (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
 KDA_KEEP_INTRA_FOR_BACKWARD = True
+# With autograd: keep the forward's WY factors T^-1 (fp32, as stored with STORE_T), W and (KDA) Kd, and the chunk
+# states Hs with the pseudo-values V', for the backward, which then runs neither _solve_wy nor _state_fwd (GDN
+# also keeps its scalar G, 4 bytes). Extra memory held from the forward to the backward, per (padded) token and kv
+# head, bf16 inputs: T^-1 4 BT + W 2 K (+ Kd 2 K) + Hs 2 K V / BT + V' 2 V bytes; at K = V = 128, BT = 64:
+# GDN 1284, KDA 1536 bytes (B=1 T=16384 H=32: 673 MB and 805 MB per layer); fp32 inputs keep W, Kd, Hs, V' in fp32
+# (twice the bytes). The recompute allocated the same buffers in the backward, so a single layer's peak stays; what
+# grows is the memory held across layers between their forward and backward.
+KEEP_FORWARD_FOR_BACKWARD = True
+# with KEEP_FORWARD_FOR_BACKWARD: False keeps U (2 V bytes) in place of Hs and V' (the largest, 2 K V / BT + 2 V) and
+# re-runs _state_fwd in the backward: GDN 772, KDA 1024 bytes per token and head at K = V = 128 (405 MB, 537 MB).
+KEEP_CHUNK_STATES_FOR_BACKWARD = True
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
@@ -104,9 +125,12 @@ NUM_STAGES = 2
 # `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
 # 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
-# (2.131 -> 2.000). kda_intra_bwd: 4 warps, unmeasured since its rewrite per sub-chunk (2026-12-01; 142 registers at
-# 4 warps, 104 at 8, spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms at B=1 T=16384 H=32).
-WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 2, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
+# (2.131 -> 2.000). kda_intra_bwd: 4 warps since its rewrite per sub-chunk (2026-11-30; 142 registers at 4 warps,
+# 104 at 8, spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms at B=1 T=16384 H=32).
+# solve_wy (GDN) 2 -> 1 warp since 2026-11-30 (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC]
+# blocks take the mma layout of a single warp, so a second warp holds a copy of every block rather than a share of
+# it; at 1 warp 237 registers and no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none.
+WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 1, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
 STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3}
@@ -167,9 +191,24 @@ def _precisions(x):
     return LOW_PRECISION_INPUT_DOT_PRECISION, LOW_PRECISION_INPUT_DOT_PRECISION, torch.float32
 
 
-def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=None):
-    """Everything up to the state pass. Returns a dict of intermediates. intra: (Gc, M, P) kept from the
-    forward (KDA), which skips the cumulative sums and the sub-chunk kernel."""
+def _kept_for_backward(per_channel):
+    """Names of the forward intermediates that the autograd forward keeps for the backward (the KEEP switches)."""
+    names = []
+    if per_channel and KDA_KEEP_INTRA_FOR_BACKWARD:
+        names += ["Gc", "M", "P"]
+    if KEEP_FORWARD_FOR_BACKWARD:
+        if not per_channel:
+            names.append("Gc")
+        names += ["Tinv", "W"] + (["Kd"] if per_channel else [])
+        names += ["Hs", "Vp"] if KEEP_CHUNK_STATES_FOR_BACKWARD else ["U"]
+    return tuple(names)
+
+
+def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
+    """Everything up to the state pass. Returns a dict of intermediates. store_t: also store T^-1 (the backward
+    needs it). kept: intermediates already computed by the forward (names of _kept_for_backward); the kernels
+    whose outputs are all there are skipped (the KDA sub-chunk kernel when G, M, P are kept, _solve_wy when W and
+    T^-1 are, _state_fwd when Hs and V' are)."""
     B, T, Hq, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     NG = Hq // H
@@ -181,6 +220,7 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=
     f32 = torch.float32
     prec, prec_hi, idt = _precisions(q)
     low = prec in ("bf16", "bf16emu")
+    kept = kept or {}
 
     def p(kernel):
         return prec if not low or kernel in BF16_DOT_KERNELS else prec_hi
@@ -188,57 +228,69 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward, intra=
     def dt(buffer):
         return idt if buffer in BF16_BUFFERS else f32
 
-    c = dict(p=p, dt=dt, low=low)
-    if intra is not None:
-        Gc, M, P = intra
-    else:
+    c = dict(p=p, dt=dt, low=low, NT=NT, Tp=Tp, BV=BV, prec_hi=prec_hi)
+    Gc, M, P = kept.get("Gc"), kept.get("M"), kept.get("P")
+    if Gc is None:
         Gc = torch.empty(B, H, Tp, *((K,) if per_channel else ()), device=dev, dtype=f32)
         _cumsum_kernel[(NT, B * H)](g, Gc, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("cumsum"))
-        M = P = None
-    if per_channel and intra is None:
+    if per_channel and M is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
         _kda_intra_kernel[(NT, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC, BK=min(KDA_BK, K),
                                            DBK=min(KDA_DIAG_BK, K), PREC=prec_hi, **_kw("kda_intra"))
-    Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if for_backward else None
-    W = torch.empty(B, H, Tp, K, device=dev, dtype=dt("W"))
-    U = torch.empty(B, H, Tp, V, device=dev, dtype=dt("U"))
-    Kd = torch.empty(B, H, Tp, K, device=dev, dtype=dt("Kd")) if per_channel else W
-    _solve_wy_kernel[(NT, B * H)](k, v, beta, Gc, M if M is not None else Gc, Tinv if Tinv is not None else W, W, U, Kd,
-                                  T, Tp, H, K=K, V=V, BT=BT, BC=BC, BV=BV, PER_CHANNEL=per_channel,
-                                  STORE_T=for_backward, PREC=c["p"]("solve_wy"), PREC_HI=prec_hi, BKW=min(WY_BK, K),
-                                  **_kw("solve_wy", per_channel))
+    c.update(Gc=Gc, M=M, P=P)
+    if "W" in kept:
+        W, U, Tinv = kept["W"], kept.get("U"), kept["Tinv"]
+        Kd = kept["Kd"] if per_channel else W
+    else:
+        Tinv = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if store_t else None
+        W = torch.empty(B, H, Tp, K, device=dev, dtype=dt("W"))
+        U = torch.empty(B, H, Tp, V, device=dev, dtype=dt("U"))
+        Kd = torch.empty(B, H, Tp, K, device=dev, dtype=dt("Kd")) if per_channel else W
+        _solve_wy_kernel[(NT, B * H)](k, v, beta, Gc, M if M is not None else Gc, Tinv if Tinv is not None else W, W,
+                                      U, Kd, T, Tp, H, K=K, V=V, BT=BT, BC=BC, BV=BV, PER_CHANNEL=per_channel,
+                                      STORE_T=store_t, PREC=p("solve_wy"), PREC_HI=prec_hi, BKW=min(WY_BK, K),
+                                      **_kw("solve_wy", per_channel))
+    c.update(Tinv=Tinv, W=W, U=U, Kd=Kd)
+    if "Hs" in kept:
+        c.update(Hs=kept["Hs"], Vp=kept["Vp"], hT=None)
+        return c
+    if U is None:
+        raise RuntimeError("_fwd_core: W kept without U or the chunk states (see _kept_for_backward)")
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=dt("Hs"))
     Vp = torch.empty(B, H, Tp, V, device=dev, dtype=dt("Vp"))
     hT = torch.empty(B, H, K, V, device=dev, dtype=f32)
     h0 = initial_state if initial_state is not None else hT
     _state_fwd_kernel[(V // BV, B * H)](k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K=K, V=V, BT=BT, BV=BV,
                                         PER_CHANNEL=per_channel, HAS_H0=initial_state is not None,
-                                        PREC=c["p"]("state_fwd"), **_kw("state_fwd"))
-    c.update(Gc=Gc, M=M, P=P, Tinv=Tinv, W=W, Kd=Kd, Hs=Hs, Vp=Vp, hT=hT, NT=NT, Tp=Tp, BV=BV, prec_hi=prec_hi)
+                                        PREC=p("state_fwd"), **_kw("state_fwd"))
+    c.update(Hs=Hs, Vp=Vp, hT=hT)
     return c
 
 
-def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel):
+def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel, keep=()):
+    """Returns (o, final state, kept): kept maps the names in keep (see _kept_for_backward) to the intermediates
+    for chunk_bwd. With keep empty (inference) nothing beyond the output's needs is stored (no T^-1)."""
     B, T, Hq, K = q.shape
     H, V = k.shape[2], v.shape[-1]
-    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward=False)
+    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t="Tinv" in keep)
     o = torch.empty(B, T, Hq, V, device=q.device, dtype=v.dtype)
     BV, NT = min(BLOCK_V_OUT, V), c["NT"]
     _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], c["P"] if per_channel else c["Gc"], c["Hs"], c["Vp"], o,
                                           scale, T, c["Tp"], NT, H, Hq // H, K=K, V=V, BT=CHUNK, BV=BV,
                                           PER_CHANNEL=per_channel, PREC=c["p"]("output"),
                                           **_output_kw(BV))
-    return o, c["hT"], ((c["Gc"], c["M"], c["P"]) if per_channel else None)
+    return o, c["hT"], {name: c[name] for name in keep}
 
 
-def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intra=None):
-    """Returns fp32 (dq, dk, dv in v's dtype, dg, dbeta, dh0). intra: (Gc, M, P) from chunk_fwd (KDA) or None."""
+def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept=None):
+    """Returns fp32 (dq, dk, dv in v's dtype, dg, dbeta, dh0). kept: the intermediates chunk_fwd kept (by name);
+    the missing ones are recomputed."""
     B, T, Hq, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     NG = Hq // H
     BT, BC = CHUNK, SUB_CHUNK
-    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, for_backward=True, intra=intra)
+    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t=True, kept=kept)
     BV, NT, Tp = c["BV"], c["NT"], c["Tp"]
     dev, f32 = q.device, torch.float32
     Gc = c["Gc"]
@@ -284,22 +336,22 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, intr
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, per_channel, keep_intra):
-        o, hT, intra = chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel)
-        ctx.keep_intra = intra is not None and keep_intra
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, *(intra if ctx.keep_intra else ()))
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, per_channel, keep):
+        o, hT, kept = chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel, keep=keep)
+        ctx.kept_names = tuple(kept)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, *kept.values())
         ctx.scale = scale
         ctx.per_channel = per_channel
         return o, hT
 
     @staticmethod
     def backward(ctx, do, dhT):
-        q, k, v, g, beta, initial_state, *intra = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, *kept = ctx.saved_tensors
         do = do.contiguous()
         if dhT is not None:
             dhT = dhT.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, do, dhT, ctx.per_channel,
-                                               intra=tuple(intra) if ctx.keep_intra else None)
+                                               kept=dict(zip(ctx.kept_names, kept)))
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), None,
                 dh0.to(initial_state.dtype) if initial_state is not None else None, None, None)
 
@@ -388,7 +440,8 @@ def chunk_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_fi
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    keep_intra = (per_channel and KDA_KEEP_INTRA_FOR_BACKWARD and torch.is_grad_enabled()
-                  and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)))
-    o, hT = ChunkDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, per_channel, keep_intra)
+    needs_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                                     for x in (q, k, v, g, beta, initial_state))
+    keep = _kept_for_backward(per_channel) if needs_backward else ()
+    o, hT = ChunkDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, per_channel, keep)
     return o, (hT if output_final_state else None)

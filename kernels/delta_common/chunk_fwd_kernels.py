@@ -157,74 +157,63 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
-def _rows(x, i_b, i_h, T, H, r0, D: tl.constexpr, BR: tl.constexpr):
-    """Rows [r0, r0 + BR) of an input [B, T, H, D] (zeros past T), as float32."""
-    r = r0 + tl.arange(0, BR)
-    c = tl.arange(0, D)
-    return tl.load(x + ((i_b * T + r[:, None]) * H + i_h) * D + c[None, :], mask=(r < T)[:, None], other=0.).to(tl.float32)
-
-
-@triton.jit
-def _inv_unit_lower(a, BC: tl.constexpr):
-    """(I + a)^-1 for a strictly lower-triangular BC x BC block, by forward substitution."""
+def _inv_unit_lower(at, BC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower-triangular BC x BC block a, given as its transpose at, by forward
+    substitution. Row i of a is then a column of at: extracting it reduces along the axis that the row update
+    of the next step broadcasts along, so no step converts a vector between layouts."""
     o = tl.arange(0, BC)
     tm = tl.where(o[:, None] == o[None, :], 1., 0.)
     for i in range(1, BC):
-        a_i = tl.sum(tl.where(o[:, None] == i, a, 0.), 0)
+        a_i = tl.sum(tl.where(o[None, :] == i, at, 0.), 1)
         t_i = tl.sum(a_i[:, None] * tm, 0)
         tm = tl.where(o[:, None] == i, tm - t_i[None, :], tm)
     return tm
 
 
 @triton.jit
-def _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, I: tl.constexpr, J: tl.constexpr, k_i, k_j, g_i, g_j,
-             BT: tl.constexpr, BC: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
-    """Sub-block (I, J) of A = diag(beta) M (strictly lower when I == J). GDN: from the row blocks k_i, k_j
-    and decays g_i, g_j; KDA: loaded from M."""
+def _in_op(x, PREC: tl.constexpr):
+    """A loaded input tile as a product operand: as loaded (bf16) on the "bf16" path, fp32 otherwise (the
+    bf16 inputs of "bf16emu" need no rounding)."""
+    if PREC == "bf16":
+        y = x
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _in_block(x, i_b, i_h, T, H, r0, cols, D: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Rows [r0, r0 + BC) (zeros past T), columns cols of an input [B, T, H, D], as a product operand."""
+    r = r0 + tl.arange(0, BC)
+    t = tl.load(x + ((i_b * T + r[:, None]) * H + i_h) * D + cols[None, :], mask=(r < T)[:, None], other=0.)
+    return _in_op(t, PREC)
+
+
+@triton.jit
+def _beta_rows(beta, i_b, i_h, T, H, r0, BC: tl.constexpr):
+    r = r0 + tl.arange(0, BC)
+    return tl.load(beta + (i_b * T + r) * H + i_h, mask=r < T, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _kda_m_block(M, i_bh, Tp, t0, I: tl.constexpr, J: tl.constexpr, TRANSPOSED: tl.constexpr, BT: tl.constexpr,
+                 BC: tl.constexpr):
+    """KDA: sub-block (I, J) of M (its transpose if TRANSPOSED), loaded from the sub-chunk kernel's output."""
     oc = tl.arange(0, BC)
-    ri = t0 + I * BC + oc
-    if PER_CHANNEL:
-        m = tl.load(M + (i_bh * Tp + ri[:, None]) * BT + J * BC + oc[None, :])
+    if TRANSPOSED:
+        m = tl.load(M + (i_bh * Tp + t0 + I * BC + oc[None, :]) * BT + J * BC + oc[:, None])
     else:
-        rj = t0 + J * BC + oc
-        msk = ri[:, None] > rj[None, :]
-        m = tl.where(msk, _dot(k_i, tl.trans(k_j), PREC)
-                     * tl.exp(tl.where(msk, g_i[:, None] - g_j[None, :], 0.)), 0.)
-    b_i = tl.load(beta + (i_b * T + ri) * H + i_h, mask=ri < T, other=0.).to(tl.float32)
-    return b_i[:, None] * m
+        m = tl.load(M + (i_bh * Tp + t0 + I * BC + oc[:, None]) * BT + J * BC + oc[None, :])
+    return m
 
 
 @triton.jit
-def _g_rows(Gc, i_bh, Tp, r0, BC: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Scalar decays of rows [r0, r0 + BC) (GDN; a dummy for KDA)."""
-    r = r0 + tl.arange(0, BC)
-    if PER_CHANNEL:
-        return tl.zeros([BC], dtype=tl.float32)
-    else:
-        return tl.load(Gc + i_bh * Tp + r)
-
-
-@triton.jit
-def _kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, r0, ck, K: tl.constexpr, BC: tl.constexpr,
-             PER_CHANNEL: tl.constexpr):
-    """beta * exp(G) * k on rows [r0, r0 + BC), key channels ck."""
-    r = r0 + tl.arange(0, BC)
-    k_i = tl.load(k + ((i_b * T + r[:, None]) * H + i_h) * K + ck[None, :], mask=(r < T)[:, None],
-                  other=0.).to(tl.float32)
-    b_i = tl.load(beta + (i_b * T + r) * H + i_h, mask=r < T, other=0.).to(tl.float32)
-    if PER_CHANNEL:
-        eg = tl.exp(tl.load(Gc + (i_bh * Tp + r[:, None]) * K + ck[None, :]))
-    else:
-        eg = tl.exp(tl.load(Gc + i_bh * Tp + r))[:, None]
-    return b_i[:, None] * eg * k_i
-
-
-@triton.jit
-def _bv_block(v, beta, i_b, i_h, T, H, r0, cv, V: tl.constexpr, BC: tl.constexpr):
-    r = r0 + tl.arange(0, BC)
-    v_i = tl.load(v + ((i_b * T + r[:, None]) * H + i_h) * V + cv[None, :], mask=(r < T)[:, None], other=0.).to(tl.float32)
-    b_i = tl.load(beta + (i_b * T + r) * H + i_h, mask=r < T, other=0.).to(tl.float32)
-    return b_i[:, None] * v_i
+def _gdn_diag_t(m, g, b, BC: tl.constexpr):
+    """GDN: the transpose of the diagonal block A_II = diag(beta) (M_II o E) from the symmetric M_II = k_I k_I^T:
+    at[j, i] = beta_i M_ij exp(G_i - G_j) for i > j."""
+    o = tl.arange(0, BC)
+    msk = o[None, :] > o[:, None]
+    return tl.where(msk, m * tl.exp(tl.where(msk, g[None, :] - g[:, None], 0.)), 0.) * b[None, :]
 
 
 @triton.jit
@@ -237,7 +226,7 @@ def _store_blk(ptr, i_bh, Tp, t0, I: tl.constexpr, J: tl.constexpr, x, BT: tl.co
 def _store_lower_product(ptr, block_stride, u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, x0, x1, x2, x3,
                          PREC: tl.constexpr):
     """Store T X for a block lower-triangular T (4 x 4 blocks u_IJ, J <= I) and X in 4 row blocks x_J; row block I
-    goes to ``ptr + I * block_stride`` (W = T (beta exp(G) k) and U = T (beta v) share this)."""
+    goes to ``ptr + I * block_stride`` (W and U share this, their column factors folded into the u_IJ)."""
     _store_cast(ptr, _dot(u00, x0, PREC), PREC)
     _store_cast(ptr + block_stride, _dot(u10, x0, PREC) + _dot(u11, x1, PREC), PREC)
     _store_cast(ptr + 2 * block_stride, _dot(u20, x0, PREC) + _dot(u21, x1, PREC) + _dot(u22, x2, PREC), PREC)
@@ -246,38 +235,104 @@ def _store_lower_product(ptr, block_stride, u00, u10, u11, u20, u21, u22, u30, u
 
 
 @triton.jit
+def _wy_store(out, x, i_b, i_h, i_bh, T, Tp, H, t0, cols, u00, u10, u11, u20, u21, u22, u30, u31, u32, u33,
+              D: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """out[rows of the chunk, cols] = T' X for the input x [B, T, H, D] (its chunk rows, columns cols, as loaded)
+    and the block lower-triangular T' (blocks u_IJ)."""
+    oc = tl.arange(0, BC)
+    x0 = _in_block(x, i_b, i_h, T, H, t0, cols, D, BC, PREC)
+    x1 = _in_block(x, i_b, i_h, T, H, t0 + BC, cols, D, BC, PREC)
+    x2 = _in_block(x, i_b, i_h, T, H, t0 + 2 * BC, cols, D, BC, PREC)
+    x3 = _in_block(x, i_b, i_h, T, H, t0 + 3 * BC, cols, D, BC, PREC)
+    _store_lower_product(out + (i_bh * Tp + t0 + oc[:, None]) * D + cols[None, :], BC * D,
+                         u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, x0, x1, x2, x3, PREC)
+
+
+@triton.jit
 def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      STORE_T: tl.constexpr, PREC: tl.constexpr, PREC_HI: tl.constexpr, BKW: tl.constexpr):
     """T = (I + diag(beta) M)^-1 blockwise (BT = 4 BC: diagonal BC-blocks by forward substitution, then
-    T_IJ = -T_II sum_{J <= L < I} A_IL T_LJ); W = T (beta exp(G) k); U = T (beta v)."""
+    T_IJ = -T_II sum_{J <= L < I} A_IL T_LJ); W = T (beta exp(G) k); U = T (beta v).
+    GDN forms the 10 blocks M_IJ = k_I k_J^T (J <= I) itself, K in blocks of BKW with the key tiles as loaded
+    (bf16 product operands on the bf16 path); the decays of an off-diagonal block factor about the block row's
+    first row m, exp(G_i - G_m) exp(G_m - G_j) (both exponents <= 0), so only vectors are exponentiated there.
+    The column factors of the products are folded into T's blocks: W = (T diag(beta exp(G))) k and
+    U = (T diag(beta)) v (KDA: W = (T diag(beta)) (exp(G) k), per-channel decays), so the key and value tiles
+    of W and U enter the products as loaded."""
     tl.static_assert(BT == 4 * BC)
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
-    k0 = _rows(k, i_b, i_h, T, H, t0, K, BC)
-    k1 = _rows(k, i_b, i_h, T, H, t0 + BC, K, BC)
-    k2 = _rows(k, i_b, i_h, T, H, t0 + 2 * BC, K, BC)
-    k3 = _rows(k, i_b, i_h, T, H, t0 + 3 * BC, K, BC)
-    g0 = _g_rows(Gc, i_bh, Tp, t0, BC, PER_CHANNEL)
-    g1 = _g_rows(Gc, i_bh, Tp, t0 + BC, BC, PER_CHANNEL)
-    g2 = _g_rows(Gc, i_bh, Tp, t0 + 2 * BC, BC, PER_CHANNEL)
-    g3 = _g_rows(Gc, i_bh, Tp, t0 + 3 * BC, BC, PER_CHANNEL)
-    a00 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 0, 0, k0, k0, g0, g0, BT, BC, PER_CHANNEL, PREC)
-    a11 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 1, 1, k1, k1, g1, g1, BT, BC, PER_CHANNEL, PREC)
-    a22 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 2, 2, k2, k2, g2, g2, BT, BC, PER_CHANNEL, PREC)
-    a33 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 3, k3, k3, g3, g3, BT, BC, PER_CHANNEL, PREC)
-    a10 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 1, 0, k1, k0, g1, g0, BT, BC, PER_CHANNEL, PREC)
-    a20 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 2, 0, k2, k0, g2, g0, BT, BC, PER_CHANNEL, PREC)
-    a21 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 2, 1, k2, k1, g2, g1, BT, BC, PER_CHANNEL, PREC)
-    a30 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 0, k3, k0, g3, g0, BT, BC, PER_CHANNEL, PREC)
-    a31 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 1, k3, k1, g3, g1, BT, BC, PER_CHANNEL, PREC)
-    a32 = _a_block(beta, M, i_b, i_h, i_bh, T, Tp, H, t0, 3, 2, k3, k2, g3, g2, BT, BC, PER_CHANNEL, PREC)
-    t00 = _inv_unit_lower(a00, BC)
-    t11 = _inv_unit_lower(a11, BC)
-    t22 = _inv_unit_lower(a22, BC)
-    t33 = _inv_unit_lower(a33, BC)
+    oc = tl.arange(0, BC)
+    b0 = _beta_rows(beta, i_b, i_h, T, H, t0, BC)
+    b1 = _beta_rows(beta, i_b, i_h, T, H, t0 + BC, BC)
+    b2 = _beta_rows(beta, i_b, i_h, T, H, t0 + 2 * BC, BC)
+    b3 = _beta_rows(beta, i_b, i_h, T, H, t0 + 3 * BC, BC)
+    if PER_CHANNEL:
+        at00 = _kda_m_block(M, i_bh, Tp, t0, 0, 0, True, BT, BC) * b0[None, :]
+        at11 = _kda_m_block(M, i_bh, Tp, t0, 1, 1, True, BT, BC) * b1[None, :]
+        at22 = _kda_m_block(M, i_bh, Tp, t0, 2, 2, True, BT, BC) * b2[None, :]
+        at33 = _kda_m_block(M, i_bh, Tp, t0, 3, 3, True, BT, BC) * b3[None, :]
+        a10 = _kda_m_block(M, i_bh, Tp, t0, 1, 0, False, BT, BC) * b1[:, None]
+        a20 = _kda_m_block(M, i_bh, Tp, t0, 2, 0, False, BT, BC) * b2[:, None]
+        a21 = _kda_m_block(M, i_bh, Tp, t0, 2, 1, False, BT, BC) * b2[:, None]
+        a30 = _kda_m_block(M, i_bh, Tp, t0, 3, 0, False, BT, BC) * b3[:, None]
+        a31 = _kda_m_block(M, i_bh, Tp, t0, 3, 1, False, BT, BC) * b3[:, None]
+        a32 = _kda_m_block(M, i_bh, Tp, t0, 3, 2, False, BT, BC) * b3[:, None]
+    else:
+        m00 = tl.zeros([BC, BC], dtype=tl.float32)
+        m11 = tl.zeros([BC, BC], dtype=tl.float32)
+        m22 = tl.zeros([BC, BC], dtype=tl.float32)
+        m33 = tl.zeros([BC, BC], dtype=tl.float32)
+        m10 = tl.zeros([BC, BC], dtype=tl.float32)
+        m20 = tl.zeros([BC, BC], dtype=tl.float32)
+        m21 = tl.zeros([BC, BC], dtype=tl.float32)
+        m30 = tl.zeros([BC, BC], dtype=tl.float32)
+        m31 = tl.zeros([BC, BC], dtype=tl.float32)
+        m32 = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(0, K, BKW):
+            ckb = i_k + tl.arange(0, BKW)
+            k0 = _in_block(k, i_b, i_h, T, H, t0, ckb, K, BC, PREC)
+            k1 = _in_block(k, i_b, i_h, T, H, t0 + BC, ckb, K, BC, PREC)
+            k2 = _in_block(k, i_b, i_h, T, H, t0 + 2 * BC, ckb, K, BC, PREC)
+            k3 = _in_block(k, i_b, i_h, T, H, t0 + 3 * BC, ckb, K, BC, PREC)
+            m00 += _dot(k0, tl.trans(k0), PREC)
+            m11 += _dot(k1, tl.trans(k1), PREC)
+            m22 += _dot(k2, tl.trans(k2), PREC)
+            m33 += _dot(k3, tl.trans(k3), PREC)
+            m10 += _dot(k1, tl.trans(k0), PREC)
+            m20 += _dot(k2, tl.trans(k0), PREC)
+            m21 += _dot(k2, tl.trans(k1), PREC)
+            m30 += _dot(k3, tl.trans(k0), PREC)
+            m31 += _dot(k3, tl.trans(k1), PREC)
+            m32 += _dot(k3, tl.trans(k2), PREC)
+        g0 = tl.load(Gc + i_bh * Tp + t0 + oc)
+        g1 = tl.load(Gc + i_bh * Tp + t0 + BC + oc)
+        g2 = tl.load(Gc + i_bh * Tp + t0 + 2 * BC + oc)
+        g3 = tl.load(Gc + i_bh * Tp + t0 + 3 * BC + oc)
+        at00 = _gdn_diag_t(m00, g0, b0, BC)
+        at11 = _gdn_diag_t(m11, g1, b1, BC)
+        at22 = _gdn_diag_t(m22, g2, b2, BC)
+        at33 = _gdn_diag_t(m33, g3, b3, BC)
+        # off-diagonal decays about the first row of block row I (gm_I): rows exp(G_i - gm_I), columns exp(gm_I - G_j)
+        gm1 = tl.load(Gc + i_bh * Tp + t0 + BC)
+        gm2 = tl.load(Gc + i_bh * Tp + t0 + 2 * BC)
+        gm3 = tl.load(Gc + i_bh * Tp + t0 + 3 * BC)
+        r1 = (b1 * tl.exp(g1 - gm1))[:, None]
+        r2 = (b2 * tl.exp(g2 - gm2))[:, None]
+        r3 = (b3 * tl.exp(g3 - gm3))[:, None]
+        a10 = r1 * m10 * tl.exp(gm1 - g0)[None, :]
+        a20 = r2 * m20 * tl.exp(gm2 - g0)[None, :]
+        a21 = r2 * m21 * tl.exp(gm2 - g1)[None, :]
+        a30 = r3 * m30 * tl.exp(gm3 - g0)[None, :]
+        a31 = r3 * m31 * tl.exp(gm3 - g1)[None, :]
+        a32 = r3 * m32 * tl.exp(gm3 - g2)[None, :]
+    t00 = _inv_unit_lower(at00, BC)
+    t11 = _inv_unit_lower(at11, BC)
+    t22 = _inv_unit_lower(at22, BC)
+    t33 = _inv_unit_lower(at33, BC)
     # the block merges of T stay at the high precision (fp32 operands) even when the other products are bf16
     t10 = -_dot(t11, _dot(a10, t00, PREC_HI), PREC_HI)
     t21 = -_dot(t22, _dot(a21, t11, PREC_HI), PREC_HI)
@@ -303,36 +358,48 @@ def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexp
         _store_blk(Tinv, i_bh, Tp, t0, 3, 1, t31, BT, BC)
         _store_blk(Tinv, i_bh, Tp, t0, 3, 2, t32, BT, BC)
         _store_blk(Tinv, i_bh, Tp, t0, 3, 3, t33, BT, BC)
-    oc = tl.arange(0, BC)
-    # the T blocks as product operands (bf16 on the bf16 path), cast once for W and U
-    u00, u10, u11 = _to_op(t00, PREC), _to_op(t10, PREC), _to_op(t11, PREC)
-    u20, u21, u22 = _to_op(t20, PREC), _to_op(t21, PREC), _to_op(t22, PREC)
-    u30, u31, u32, u33 = _to_op(t30, PREC), _to_op(t31, PREC), _to_op(t32, PREC), _to_op(t33, PREC)
-    # W = T (beta exp(G) k), K in blocks of BKW (k reloaded from L1/L2 rather than kept live across the solve)
-    for i_k in range(0, K, BKW):
-        ckb = i_k + tl.arange(0, BKW)
-        kg0 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0, ckb, K, BC, PER_CHANNEL), PREC)
-        kg1 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + BC, ckb, K, BC, PER_CHANNEL), PREC)
-        kg2 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + 2 * BC, ckb, K, BC, PER_CHANNEL), PREC)
-        kg3 = _to_op(_kg_cols(k, beta, Gc, i_b, i_h, i_bh, T, Tp, H, t0 + 3 * BC, ckb, K, BC, PER_CHANNEL), PREC)
-        _store_lower_product(W + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :], BC * K,
-                             u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, kg0, kg1, kg2, kg3, PREC)
-        # KDA: k exp(G_last - G), the keys as they enter the state at the end of the chunk (for the state passes)
-        if PER_CHANNEL:
+    # U = (T diag(beta)) v: T's blocks with beta folded into their columns, as product operands (bf16 on the bf16
+    # path), cast once
+    c0, c1, c2, c3 = b0[None, :], b1[None, :], b2[None, :], b3[None, :]
+    u00, u10, u11 = _to_op(t00 * c0, PREC), _to_op(t10 * c0, PREC), _to_op(t11 * c1, PREC)
+    u20, u21, u22 = _to_op(t20 * c0, PREC), _to_op(t21 * c1, PREC), _to_op(t22 * c2, PREC)
+    u30, u31, u32, u33 = _to_op(t30 * c0, PREC), _to_op(t31 * c1, PREC), _to_op(t32 * c2, PREC), _to_op(t33 * c3, PREC)
+    for i_v in range(0, V, BV):
+        _wy_store(U, v, i_b, i_h, i_bh, T, Tp, H, t0, i_v + tl.arange(0, BV),
+                  u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, V, BC, PREC)
+    if PER_CHANNEL:
+        # W = (T diag(beta)) (exp(G) k), and Kd = k exp(G_last - G), the keys as they enter the state at the end
+        # of the chunk (for the state passes)
+        ra = t0 + tl.arange(0, BT)
+        for i_k in range(0, K, BKW):
+            ckb = i_k + tl.arange(0, BKW)
+            kg0 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :]))
+                         * _in_block(k, i_b, i_h, T, H, t0, ckb, K, BC, "ieee"), PREC)
+            kg1 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + BC + oc[:, None]) * K + ckb[None, :]))
+                         * _in_block(k, i_b, i_h, T, H, t0 + BC, ckb, K, BC, "ieee"), PREC)
+            kg2 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + 2 * BC + oc[:, None]) * K + ckb[None, :]))
+                         * _in_block(k, i_b, i_h, T, H, t0 + 2 * BC, ckb, K, BC, "ieee"), PREC)
+            kg3 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + 3 * BC + oc[:, None]) * K + ckb[None, :]))
+                         * _in_block(k, i_b, i_h, T, H, t0 + 3 * BC, ckb, K, BC, "ieee"), PREC)
+            _store_lower_product(W + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :], BC * K,
+                                 u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, kg0, kg1, kg2, kg3, PREC)
             gl = tl.load(Gc + (i_bh * Tp + t0 + BT - 1) * K + ckb)
-            ra = t0 + tl.arange(0, BT)
             k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ckb[None, :], mask=(ra < T)[:, None],
                           other=0.).to(tl.float32)
             G_a = tl.load(Gc + (i_bh * Tp + ra[:, None]) * K + ckb[None, :])
             _store_cast(Kd + (i_bh * Tp + ra[:, None]) * K + ckb[None, :], k_a * tl.exp(gl[None, :] - G_a), PREC)
-    for i_v in range(0, V, BV):
-        cv = i_v + tl.arange(0, BV)
-        bv0 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0, cv, V, BC), PREC)
-        bv1 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0 + BC, cv, V, BC), PREC)
-        bv2 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0 + 2 * BC, cv, V, BC), PREC)
-        bv3 = _to_op(_bv_block(v, beta, i_b, i_h, T, H, t0 + 3 * BC, cv, V, BC), PREC)
-        _store_lower_product(U + (i_bh * Tp + t0 + oc[:, None]) * V + cv[None, :], BC * V,
-                             u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, bv0, bv1, bv2, bv3, PREC)
+    else:
+        # W = (T diag(beta exp(G))) k, T's operands formed after U's so that only one set is live at a time
+        e0 = c0 * tl.exp(g0)[None, :]
+        e1 = c1 * tl.exp(g1)[None, :]
+        e2 = c2 * tl.exp(g2)[None, :]
+        e3 = c3 * tl.exp(g3)[None, :]
+        w00, w10, w11 = _to_op(t00 * e0, PREC), _to_op(t10 * e0, PREC), _to_op(t11 * e1, PREC)
+        w20, w21, w22 = _to_op(t20 * e0, PREC), _to_op(t21 * e1, PREC), _to_op(t22 * e2, PREC)
+        w30, w31, w32, w33 = _to_op(t30 * e0, PREC), _to_op(t31 * e1, PREC), _to_op(t32 * e2, PREC), _to_op(t33 * e3, PREC)
+        for i_k in range(0, K, BKW):
+            _wy_store(W, k, i_b, i_h, i_bh, T, Tp, H, t0, i_k + tl.arange(0, BKW),
+                      w00, w10, w11, w20, w21, w22, w30, w31, w32, w33, K, BC, PREC)
 
 
 @triton.jit
@@ -340,7 +407,8 @@ def _state_fwd_kernel(k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K: tl.const
                       BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr,
                       PREC: tl.constexpr):
     """Sequential pass over chunks for one (batch, kv head, V block): stores the state entering each
-    chunk (Hs) and the pseudo-values V' = U - W S; writes the final state."""
+    chunk (Hs) and the pseudo-values V' = U - W S; writes the final state. GDN takes the keys as loaded (bf16
+    product operands on the bf16 path) and applies the decays exp(G_last - G) to V' instead."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -364,13 +432,15 @@ def _state_fwd_kernel(k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K: tl.const
             kd = tl.load(Kd + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
             gl = tl.load(Gc + (i_bh * Tp + last) * K + ck)
             s = s * tl.exp(gl)[:, None]
+            s += _dot(tl.trans(kd), vp, PREC)
         else:
-            k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+            # (k exp(G_last - G))^T V' = k^T (exp(G_last - G) V'): the decay scales the [BT, BV] rows of V' rather
+            # than the [BT, K] key tile, which enters the product as loaded
+            k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.)
             G = tl.load(Gc + i_bh * Tp + rows)
             gl = tl.load(Gc + i_bh * Tp + last)
-            kd = k_c * tl.exp(gl - G)[:, None]
             s = s * tl.exp(gl)
-        s += _dot(tl.trans(kd), vp, PREC)
+            s += _dot(tl.trans(_in_op(k_c, PREC)), vp * tl.exp(gl - G)[:, None], PREC)
     tl.store(hT + (i_bh * K + ck[:, None]) * V + cv[None, :], s)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from _testing import nan_poisoned_allocations, rel_rms
+from retrofit.kernels.delta_common import chunk as chunk_module
 from retrofit.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     naive_chunk_gated_delta_rule,
@@ -129,6 +130,79 @@ def test_bf16_inputs_on_cpu(kind):
 def test_batch_of_two(kind):
     inputs = make_inputs(kind, 2, 75, 1, 16, 16, h0=True, seed=3)
     check_against_reference(kind, inputs, FP32_TOL, FP32_TOL)
+
+
+# (KEEP_FORWARD_FOR_BACKWARD, KEEP_CHUNK_STATES_FOR_BACKWARD, KDA_KEEP_INTRA_FOR_BACKWARD); the first recomputes
+# every forward intermediate in the backward
+KEEP_SETTINGS = {
+    "recompute": (False, False, False),
+    "keep_all": (True, True, True),
+    "keep_wy_not_states": (True, False, True),
+    "keep_wy_not_kda_intra": (True, True, False),
+    "keep_kda_intra_only": (False, True, True),
+}
+
+
+def set_keep_switches(monkeypatch, setting):
+    for name, value in zip(("KEEP_FORWARD_FOR_BACKWARD", "KEEP_CHUNK_STATES_FOR_BACKWARD",
+                            "KDA_KEEP_INTRA_FOR_BACKWARD"), KEEP_SETTINGS[setting]):
+        monkeypatch.setattr(chunk_module, name, value)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("h0", [False, True])
+def test_kept_forward_intermediates_give_the_recomputed_gradients(kind, h0, monkeypatch):
+    # Bitwise equality: a kept intermediate comes from the same kernel launch (same constants, _solve_wy with
+    # STORE_T in both cases) on the same inputs as its recomputation in the backward, and the kernels are
+    # deterministic (no atomics), so the backward kernels read identical bits. The outputs too: STORE_T only adds
+    # the stores of T^-1 to _solve_wy.
+    inputs = make_inputs(kind, 1, 75, 3, 32, 16, h0=h0, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    do, dht = torch.randn(1, 75, 3, 16, generator=gen), torch.randn(1, 3, 32, 16, generator=gen)
+    settings = [s for s in KEEP_SETTINGS if kind == "kda" or "kda_intra" not in s]
+    results = {}
+    for setting in settings:
+        set_keep_switches(monkeypatch, setting)
+        with nan_poisoned_allocations():
+            results[setting] = run_with_grads(OPS[kind][0], inputs, do, dht)
+    o_ref, st_ref, grads_ref = results.pop("recompute")
+    for setting, (o, st, grads) in results.items():
+        assert torch.equal(o, o_ref) and torch.equal(st, st_ref), setting
+        for name, gr, gr_ref in zip(NAMES, grads, grads_ref):
+            assert (gr is None and gr_ref is None) or torch.equal(gr, gr_ref), f"d{name} differs with {setting}"
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel on the chunk module: records (name, STORE_T) for each launch."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def record(*args, **kwargs):
+            self.log.append((self.name, kwargs.get("STORE_T")))
+            return launch(*args, **kwargs)
+        return record
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_forward_kernels_run_once_and_inference_keeps_nothing(kind, monkeypatch):
+    # with the default switches the backward runs no forward kernel; without autograd _solve_wy stores no T^-1
+    launches = []
+    for name in ("_cumsum_kernel", "_kda_intra_kernel", "_solve_wy_kernel", "_state_fwd_kernel"):
+        monkeypatch.setattr(chunk_module, name, LaunchRecorder(getattr(chunk_module, name), name, launches))
+    inputs = make_inputs(kind, 1, 75, 1, 16, 16, h0=True, seed=12)
+    forward = [("_cumsum_kernel", None)] + ([("_kda_intra_kernel", None)] if kind == "kda" else [])
+    with torch.no_grad():
+        OPS[kind][0](*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    assert launches == forward + [("_solve_wy_kernel", False), ("_state_fwd_kernel", None)]
+    launches.clear()
+    gen = torch.Generator().manual_seed(3)
+    run_with_grads(OPS[kind][0], inputs, torch.randn(1, 75, 1, 16, generator=gen),
+                   torch.randn(1, 1, 16, 16, generator=gen))
+    assert launches == forward + [("_solve_wy_kernel", True), ("_state_fwd_kernel", None)]
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
