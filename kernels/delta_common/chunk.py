@@ -57,13 +57,14 @@ Precision (PREC of the products; _precisions):
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
 Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
-(but _kda_intra and KDA's _solve_wy, run at the 2 warps measured fastest; see WARPS).
+(but _kda_intra, run at the 2 warps measured fastest, and KDA's _solve_wy at 1 warp; see WARPS).
 
 _solve_wy: GDN forms the 10 lower blocks k_I k_J^T of M itself (K in blocks of WY_BK, key tiles as loaded, bf16
 operands on the bf16 path), the off-diagonal decays factored about each block row's first row (vectors of exps,
 no [BC, BC] ones); the diagonal blocks enter the forward substitution transposed (no layout conversion per
 step); the column factors of W and U are folded into T's blocks (W = (T diag(beta exp(G))) k, U = (T diag(beta)) v;
 KDA: W = (T diag(beta)) (exp(G) k)), so their key and value tiles enter the products as loaded.
+KDA takes each [BC, WY_BK] block of k and G once for both exp(G) k (W) and Kd = k exp(G_last - G).
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 
@@ -130,7 +131,11 @@ NUM_STAGES = 2
 # solve_wy (GDN) 2 -> 1 warp since 2026-11-30 (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC]
 # blocks take the mma layout of a single warp, so a second warp holds a copy of every block rather than a share of
 # it; at 1 warp 237 registers and no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none.
-WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 1, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
+# solve_wy_kda 2 -> 1 warp (2026-12-01): measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32) with
+# 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers and 112 bytes
+# spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps: 200 / 224 bytes,
+# and 183 registers without spills at WY_BK 64).
+WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4, "dv_local": 8,
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
 STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3}

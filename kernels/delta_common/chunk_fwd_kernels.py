@@ -249,6 +249,18 @@ def _wy_store(out, x, i_b, i_h, i_bh, T, Tp, H, t0, cols, u00, u10, u11, u20, u2
 
 
 @triton.jit
+def _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, r0, cols, K: tl.constexpr, BC: tl.constexpr,
+                 PREC: tl.constexpr):
+    """KDA, rows [r0, r0 + BC) and channels cols of a chunk ending with the decays gl (G of its last row): stores
+    Kd = k exp(G_last - G) and returns exp(G) k as a product operand (W's right factor), from one load of k and G."""
+    r = r0 + tl.arange(0, BC)
+    G = tl.load(Gc + (i_bh * Tp + r[:, None]) * K + cols[None, :])
+    k_r = _in_block(k, i_b, i_h, T, H, r0, cols, K, BC, "ieee")
+    _store_cast(Kd + (i_bh * Tp + r[:, None]) * K + cols[None, :], k_r * tl.exp(gl[None, :] - G), PREC)
+    return _to_op(tl.exp(G) * k_r, PREC)
+
+
+@triton.jit
 def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      STORE_T: tl.constexpr, PREC: tl.constexpr, PREC_HI: tl.constexpr, BKW: tl.constexpr):
@@ -369,25 +381,16 @@ def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexp
                   u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, V, BC, PREC)
     if PER_CHANNEL:
         # W = (T diag(beta)) (exp(G) k), and Kd = k exp(G_last - G), the keys as they enter the state at the end
-        # of the chunk (for the state passes)
-        ra = t0 + tl.arange(0, BT)
+        # of the chunk (for the state passes): both from one load of each row block's keys and decays
         for i_k in range(0, K, BKW):
             ckb = i_k + tl.arange(0, BKW)
-            kg0 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0, ckb, K, BC, "ieee"), PREC)
-            kg1 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + BC + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0 + BC, ckb, K, BC, "ieee"), PREC)
-            kg2 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + 2 * BC + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0 + 2 * BC, ckb, K, BC, "ieee"), PREC)
-            kg3 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + 3 * BC + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0 + 3 * BC, ckb, K, BC, "ieee"), PREC)
+            gl = tl.load(Gc + (i_bh * Tp + t0 + BT - 1) * K + ckb)
+            kg0 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0, ckb, K, BC, PREC)
+            kg1 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0 + BC, ckb, K, BC, PREC)
+            kg2 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0 + 2 * BC, ckb, K, BC, PREC)
+            kg3 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0 + 3 * BC, ckb, K, BC, PREC)
             _store_lower_product(W + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :], BC * K,
                                  u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, kg0, kg1, kg2, kg3, PREC)
-            gl = tl.load(Gc + (i_bh * Tp + t0 + BT - 1) * K + ckb)
-            k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ckb[None, :], mask=(ra < T)[:, None],
-                          other=0.).to(tl.float32)
-            G_a = tl.load(Gc + (i_bh * Tp + ra[:, None]) * K + ckb[None, :])
-            _store_cast(Kd + (i_bh * Tp + ra[:, None]) * K + ckb[None, :], k_a * tl.exp(gl[None, :] - G_a), PREC)
     else:
         # W = (T diag(beta exp(G))) k, T's operands formed after U's so that only one set is live at a time
         e0 = c0 * tl.exp(g0)[None, :]
