@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _kda_diag_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -24,136 +24,118 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 
 @triton.jit
-def _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, I: tl.constexpr, W: tl.constexpr,
-                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """KDA: the off-diagonal columns j < r0 = t0 + I * BC (earlier sub-chunks) of rows [r0, r0 + BC) of M and
-    P: per key block one tl.dot of x_i exp(G_i - G_r0) and k_j exp(G_r0 - G_j) (both exponents <= 0). Only
-    the chunk's first W >= I * BC rows j (a power of two) are loaded and exponentiated."""
-    oc = tl.arange(0, BC)
-    lw = tl.arange(0, W)
-    r0 = t0 + I * BC
-    ri = r0 + oc
-    rj = t0 + lw
-    imask = (ri < T)[:, None]
-    jmask = (rj < T)[:, None]
-    before = (lw < I * BC)[:, None]
-    accm = tl.zeros([BC, W], dtype=tl.float32)
-    accp = tl.zeros([BC, W], dtype=tl.float32)
-    for kk in range(0, K, BK):
-        ck = kk + tl.arange(0, BK)
-        g_r = tl.load(Gb + r0 * K + ck)
-        G_j = tl.load(Gb + rj[:, None] * K + ck[None, :])
-        k_j = tl.load(kb + rj[:, None] * KS + ck[None, :], mask=jmask, other=0.).to(tl.float32)
-        k_r = tl.trans(tl.where(before, k_j * tl.exp(tl.where(before, g_r[None, :] - G_j, 0.)), 0.))
-        e_i = tl.exp(tl.load(Gb + ri[:, None] * K + ck[None, :]) - g_r[None, :])
-        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        accm += _dot(k_i * e_i, k_r, PREC)
-        accp += _dot(q_i * e_i, k_r, PREC)
-    cols = (lw < I * BC)[None, :]
-    first = (oc * 0 + iq == 0)[:, None]
-    tl.store(mo + (I * BC + oc[:, None]) * BT + lw[None, :], accm, mask=cols & first)
-    tl.store(po + (I * BC + oc[:, None]) * BT + lw[None, :], accp, mask=cols)
+def _kda_diag_level(G, q_i, k_i, Gb, r0, ck, K: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
+                    PREC: tl.constexpr):
+    """KDA, one level of the binary row hierarchy of the BC x BC diagonal block of rows r0 + [0, BC) (G, q_i, k_i:
+    its [BC, BK] tiles at channels ck): the pairs j < i within a group of 2 HALF rows with i in the group's second
+    half and j in its first, decayed through the group's middle row m as exp(G_i - G_m) exp(G_m - G_j) (both
+    exponents <= 0). Every row takes one exp per channel: its row factor if it lies in the second half of its group,
+    its column factor otherwise. Returns the pair sums over these channels (M's k_i k_j, P's q_i k_j), [BC, BC]
+    each, zero outside the level's pairs (a tl.dot of all rows against all columns, masked)."""
+    o = tl.arange(0, BC)
+    second = (o & HALF) != 0
+    mid = (o // (2 * HALF)) * (2 * HALF) + HALF
+    G_m = tl.load(Gb + (r0 + mid)[:, None] * K + ck[None, :])
+    e = tl.exp(tl.where(second[:, None], G - G_m, G_m - G))
+    col = tl.trans(tl.where(second[:, None], 0., k_i * e))
+    pairs = ((o[:, None] // (2 * HALF)) == (o[None, :] // (2 * HALF))) & second[:, None] & ~second[None, :]
+    sm = tl.where(pairs, _dot(tl.where(second[:, None], k_i * e, 0.), col, PREC), 0.)
+    sp = tl.where(pairs, _dot(tl.where(second[:, None], q_i * e, 0.), col, PREC), 0.)
+    return sm, sp
 
 
 @triton.jit
-def _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, I: tl.constexpr, K: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr, DBK: tl.constexpr):
-    """KDA: the BC x BC diagonal block of sub-chunk I (rows and columns [r0, r0 + BC), r0 = t0 + I * BC) of M
-    (j < i) and P (j <= i), and zeros right of it in rows [r0, r0 + BC). The block is taken as two halves a
-    (its first HB = BC / 2 rows) and b: the pairs within a half elementwise, as [DBK, HB, HB] terms
-    x_ic k_jc exp(-|G_ic - G_jc|) reduced over the channels c (which lie within each thread); the pairs
-    (i in b, j in a) without per-pair exps, x_i exp(G_i - G_m) times k_j exp(G_m - G_j) about the first row m
-    of b (both exponents <= 0): 9 / 16 of the exps of the whole block taken elementwise."""
-    HB: tl.constexpr = BC // 2
-    oh = tl.arange(0, HB)
-    r0 = t0 + I * BC
-    ra = r0 + oh
-    rb = ra + HB
-    amask = (ra < T)[None, :]
-    bmask = (rb < T)[None, :]
-    acc_aa_m = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_aa_p = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_bb_m = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_bb_p = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_ba_m = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_ba_p = tl.zeros([HB, HB], dtype=tl.float32)
-    for kk in range(0, K, DBK):
-        cd = (kk + tl.arange(0, DBK))[:, None]
-        g_m = tl.load(Gb + (r0 + HB) * K + cd)
-        # half a: rows (and columns) ra, channels first
-        G_t = tl.load(Gb + ra[None, :] * K + cd)
-        k_t = tl.load(kb + ra[None, :] * KS + cd, mask=amask, other=0.).to(tl.float32)
-        q_t = tl.load(qb + ra[None, :] * QS + cd, mask=amask, other=0.).to(tl.float32)
-        kx = k_t[:, None, :] * _kda_diag_decay(G_t, HB, True)     # k_jc exp(-|G_ic - G_jc|)
-        acc_aa_m += tl.sum(k_t[:, :, None] * kx, 0)
-        acc_aa_p += tl.sum(q_t[:, :, None] * kx, 0)
-        k_m = k_t * tl.exp(g_m - G_t)                             # k_jc exp(G_mc - G_jc), j in a
-        # half b
-        G_t = tl.load(Gb + rb[None, :] * K + cd)
-        k_t = tl.load(kb + rb[None, :] * KS + cd, mask=bmask, other=0.).to(tl.float32)
-        q_t = tl.load(qb + rb[None, :] * QS + cd, mask=bmask, other=0.).to(tl.float32)
-        kx = k_t[:, None, :] * _kda_diag_decay(G_t, HB, True)
-        acc_bb_m += tl.sum(k_t[:, :, None] * kx, 0)
-        acc_bb_p += tl.sum(q_t[:, :, None] * kx, 0)
-        e_m = tl.exp(G_t - g_m)                                   # exp(G_ic - G_mc), i in b
-        k_m = k_m[:, None, :]
-        acc_ba_m += tl.sum((k_t * e_m)[:, :, None] * k_m, 0)
-        acc_ba_p += tl.sum((q_t * e_m)[:, :, None] * k_m, 0)
-    # within a half, the upper part (j > i, decays exp(G_j - G_i)) is not in M or P
-    strict = oh[:, None] > oh[None, :]
-    diag = oh[:, None] >= oh[None, :]
-    ia = (I * BC + oh[:, None]) * BT
-    ib = ia + HB * BT
-    ja = (I * BC + oh)[None, :]
-    jb = ja + HB
-    first = (oh * 0 + iq == 0)[:, None]
-    tl.store(mo + ia + ja, tl.where(strict, acc_aa_m, 0.), mask=first)
-    tl.store(mo + ib + jb, tl.where(strict, acc_bb_m, 0.), mask=first)
-    tl.store(mo + ib + ja, acc_ba_m, mask=first)
-    tl.store(po + ia + ja, tl.where(diag, acc_aa_p, 0.))
-    tl.store(po + ib + jb, tl.where(diag, acc_bb_p, 0.))
-    tl.store(po + ib + ja, acc_ba_p)
-    # zeros: rows a at columns >= r0 + HB, rows b at columns >= r0 + BC
-    oc = tl.arange(0, BC)
-    la = tl.arange(0, BT)
-    upper = la[None, :] >= I * BC + HB + tl.where(oc >= HB, HB, 0)[:, None]
-    zeros = tl.zeros([BC, BT], dtype=tl.float32)
-    tl.store(mo + (I * BC + oc[:, None]) * BT + la[None, :], zeros, mask=upper & (oc * 0 + iq == 0)[:, None])
-    tl.store(po + (I * BC + oc[:, None]) * BT + la[None, :], zeros, mask=upper)
+def _kda_diag_block(qb, kb, Gb, r0, T, QS, KS, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                    PREC: tl.constexpr):
+    """KDA: the BC x BC diagonal block of rows (and columns) r0 + [0, BC) of M (j < i) and of P (j <= i), zero
+    above: every pair j < i by the level of the binary row hierarchy where i and j part (_kda_diag_level: levels of
+    BC, BC / 2, ..., 2 rows, one exp per row and channel each), and P's diagonal q_i . k_i without exps."""
+    o = tl.arange(0, BC)
+    ri = r0 + o
+    imask = (ri < T)[:, None]
+    accm = tl.zeros([BC, BC], dtype=tl.float32)
+    accp = tl.zeros([BC, BC], dtype=tl.float32)
+    qk = tl.zeros([BC], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        ck = kk + tl.arange(0, BK)
+        G = tl.load(Gb + ri[:, None] * K + ck[None, :])
+        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        qk += tl.sum(q_i * k_i, 1)
+        for lv in tl.static_range(1, 8):     # levels of HALF = BC / 2, BC / 4, ..., 1 rows
+            if (BC >> lv) > 0:
+                sm, sp = _kda_diag_level(G, q_i, k_i, Gb, r0, ck, K, BC >> lv, BC, PREC)
+                accm += sm
+                accp += sp
+    accp += tl.where(o[:, None] == o[None, :], qk[:, None], 0.)
+    return accm, accp
+
+
+@triton.jit
+def _kda_offdiag_block(qb, kb, Gb, r0, c0, T, QS, KS, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr):
+    """KDA: the BC x BC block of M and P at rows r0 + [0, BC) and the columns c0 + [0, BC) of an earlier sub-chunk
+    (c0 + BC <= r0): per key block one tl.dot each of x_i exp(G_i - G_r0) and k_j exp(G_r0 - G_j) (both exponents
+    <= 0, r0 lying between every j and i)."""
+    o = tl.arange(0, BC)
+    ri = r0 + o
+    rj = c0 + o
+    imask = (ri < T)[:, None]
+    jmask = (rj < T)[:, None]
+    accm = tl.zeros([BC, BC], dtype=tl.float32)
+    accp = tl.zeros([BC, BC], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        ck = kk + tl.arange(0, BK)
+        g_r = tl.load(Gb + r0 * K + ck)[None, :]
+        k_j = tl.load(kb + rj[:, None] * KS + ck[None, :], mask=jmask, other=0.).to(tl.float32)
+        col = tl.trans(k_j * tl.exp(g_r - tl.load(Gb + rj[:, None] * K + ck[None, :])))
+        e_i = tl.exp(tl.load(Gb + ri[:, None] * K + ck[None, :]) - g_r)
+        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        accm += _dot(k_i * e_i, col, PREC)
+        accp += _dot(q_i * e_i, col, PREC)
+    return accm, accp
 
 
 @triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, DBK: tl.constexpr, PREC: tl.constexpr):
-    """KDA: the chunk's rows of M (x = k, j < i) and of P for query head iq of the group (x = q, j <= i),
-    M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), zeros above; M is stored by the iq = 0 program.
-    One program per (chunk, query head of the group, kv head), over its NS = BT / BC = 4 sub-chunks in turn
-    (unrolled; K in blocks inside each part, so that the tiles of one part are dead during the next):
-      off-diagonal (sub-chunks 1..3): columns of the earlier sub-chunks, one tl.dot per key block
-        against the sub-chunk's first row (_kda_offdiag_rows; only the first 16, 32, 64 columns of the chunk
-        are exponentiated and multiplied, and sub-chunk 0 has nothing to do);
-      diagonal (every sub-chunk): the BC x BC block, elementwise in two halves (_kda_diag_rows)."""
+                      BK: tl.constexpr, PREC: tl.constexpr):
+    """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
+    (x = q, j <= i), M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), zeros right of the diagonal block; M is
+    stored by the iq = 0 program. One program per (chunk and sub-chunk I, query head of the group, kv head), K in
+    blocks of BK: the diagonal block (_kda_diag_block), then the I blocks of the earlier sub-chunks, one after the
+    other (_kda_offdiag_block), so that only [BC, BK] tiles and [BC, BC] accumulators are live."""
     tl.static_assert(BT == 4 * BC)
-    i_t, iq = tl.program_id(0), tl.program_id(1)
+    NS: tl.constexpr = BT // BC
+    i_s, iq = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    i_t, I = i_s // NS, i_s % NS
     Hq = H * NG
     t0 = i_t * BT
+    r0 = t0 + I * BC
     Gb = Gc + i_bh * Tp * K
     kb = k + (i_b * T * H + i_h) * K
     qb = q + (i_b * T * Hq + i_h * NG + iq) * K
-    mo = M + (i_bh * Tp + t0) * BT
-    po = P + ((i_b * Hq + i_h * NG + iq) * Tp + t0) * BT
+    mo = M + (i_bh * Tp + r0) * BT
+    po = P + ((i_b * Hq + i_h * NG + iq) * Tp + r0) * BT
     QS = Hq * K
     KS = H * K
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 0, K, BT, BC, DBK)
-    _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 1, BC, K, BT, BC, BK, PREC)
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 1, K, BT, BC, DBK)
-    _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 2, 2 * BC, K, BT, BC, BK, PREC)
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 2, K, BT, BC, DBK)
-    _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 3, BT, K, BT, BC, BK, PREC)
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 3, K, BT, BC, DBK)
+    oc = tl.arange(0, BC)
+    blk = oc[:, None] * BT + oc[None, :]
+    first = (oc * 0 + iq == 0)[:, None]
+    m, p = _kda_diag_block(qb, kb, Gb, r0, T, QS, KS, K, BC, BK, PREC)
+    tl.store(mo + I * BC + blk, m, mask=first)
+    tl.store(po + I * BC + blk, p)
+    for J in range(0, I):
+        m, p = _kda_offdiag_block(qb, kb, Gb, r0, t0 + J * BC, T, QS, KS, K, BC, BK, PREC)
+        tl.store(mo + J * BC + blk, m, mask=first)
+        tl.store(po + J * BC + blk, p)
+    la = tl.arange(0, BT)
+    upper = (la[None, :] >= (I + 1) * BC) & (oc >= 0)[:, None]
+    zeros = tl.zeros([BC, BT], dtype=tl.float32)
+    tl.store(mo + oc[:, None] * BT + la[None, :], zeros, mask=upper & first)
+    tl.store(po + oc[:, None] * BT + la[None, :], zeros, mask=upper)
 
 
 @triton.jit
