@@ -96,6 +96,8 @@ STATE_BWD_STAGE_SMEM = 200 * 1024
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp,
                     # bf16 inputs: 145 registers, no spills; 32 spills 40 bytes; offline sm_90 compile, triton 3.9)
+KDA_INTRA_IEEE_WARPS = 2  # _kda_intra's warps with exact fp32 ("ieee") products: FMA tl.dots, 40 bytes spilled at 1 warp,
+                          # 140 registers at 2 (offline sm_90 compile, triton 3.9)
 WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
@@ -123,7 +125,8 @@ NUM_STAGES = 2
 # KDA forward at B=1 T=16384 H=32, H200): its [16, 16] blocks take one warp's mma tile, and its loops hold several
 # tl.dots, which triton 3.6 on Hopper has miscompiled when software-pipelined (_bwd_dqk), so 1 stage; 145 registers
 # and no spills at 1 warp (118 at 2 warps; 1 warp, 2 stages: 168 and 16 bytes of stack), bf16 inputs, TF32 products,
-# offline sm_90 compile with triton 3.9, not yet timed. The other forward entries come from
+# offline sm_90 compile with triton 3.9, not yet timed (fp32 inputs with TF32: 185; exact products: see
+# KDA_INTRA_IEEE_WARPS). The other forward entries come from
 # `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
 # 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
@@ -242,8 +245,11 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
     if per_channel and M is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
+        kw = _kw("kda_intra")
+        if prec_hi == "ieee":
+            kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                        BK=min(KDA_BK, K), PREC=prec_hi, **_kw("kda_intra"))
+                                                        BK=min(KDA_BK, K), PREC=prec_hi, **kw)
     c.update(Gc=Gc, M=M, P=P)
     if "W" in kept:
         W, U, Tinv = kept["W"], kept.get("U"), kept["Tinv"]
