@@ -101,7 +101,8 @@ KDA_INTRA_IEEE_WARPS = 2  # _kda_intra's warps with exact fp32 ("ieee") products
 WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
-                    # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers)
+                    # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers;
+                    # H200 KDA fwd+bwd B=1 T=16384: 8.93 ms at 32, 15.90 at 16, 9.19 at 64 with 8 warps)
 KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products (137 registers at 4 warps; 182 at 32, no spills)
 # KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
 # (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
@@ -112,7 +113,9 @@ KDA_KEEP_INTRA_FOR_BACKWARD = True
 # head, bf16 inputs: T^-1 4 BT + W 2 K (+ Kd 2 K) + Hs 2 K V / BT + V' 2 V bytes; at K = V = 128, BT = 64:
 # GDN 1284, KDA 1536 bytes (B=1 T=16384 H=32: 673 MB and 805 MB per layer); fp32 inputs keep W, Kd, Hs, V' in fp32
 # (twice the bytes). The recompute allocated the same buffers in the backward, so a single layer's peak stays; what
-# grows is the memory held across layers between their forward and backward.
+# grows is the memory held across layers between their forward and backward. Measured (H200, bf16, B=1 T=16384
+# H=32 K=V=128, one layer, benchmarks/linear_kernels.py): KDA fwd+bwd 8.93 ms holding 1408 MB from the forward to
+# the backward (output included), 9.90 ms holding 640 MB with False (fla 0.6.0: 9.93 ms, 512 MB); GDN holds 770 MB.
 KEEP_FORWARD_FOR_BACKWARD = True
 # with KEEP_FORWARD_FOR_BACKWARD: False keeps U (2 V bytes) in place of Hs and V' (the largest, 2 K V / BT + 2 V) and
 # re-runs _state_fwd in the backward: GDN 772, KDA 1024 bytes per token and head at K = V = 128 (405 MB, 537 MB).
@@ -121,7 +124,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 # Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
 # forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage). kda_intra: one
-# program per sub-chunk since 2026-12-01 (before: one per chunk at 2 warps, 183 registers, 1.10 ms of the 2.53 ms
+# program per sub-chunk on this branch (2026-11-30) (before: one per chunk at 2 warps, 183 registers, 1.10 ms of the 2.53 ms
 # KDA forward at B=1 T=16384 H=32, H200): its [16, 16] blocks take one warp's mma tile, and its loops hold several
 # tl.dots, which triton 3.6 on Hopper has miscompiled when software-pipelined (_bwd_dqk), so 1 stage; 145 registers
 # and no spills at 1 warp (118 at 2 warps; 1 warp, 2 stages: 168 and 16 bytes of stack), bf16 inputs, TF32 products,
@@ -130,19 +133,28 @@ NUM_STAGES = 2
 # `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
 # 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
-# (2.131 -> 2.000). kda_intra_bwd: 4 warps since its rewrite per sub-chunk (2026-11-30; 142 registers at 4 warps,
-# 104 at 8, spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms at B=1 T=16384 H=32).
-# solve_wy (GDN) 2 -> 1 warp since 2026-11-30 (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC]
-# blocks take the mma layout of a single warp, so a second warp holds a copy of every block rather than a share of
-# it; at 1 warp 237 registers and no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none.
-# solve_wy_kda 2 -> 1 warp (2026-12-01): measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32) with
-# 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers and 112 bytes
-# spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps: 200 / 224 bytes,
-# and 183 registers without spills at WY_BK 64).
+# (2.131 -> 2.000). kda_intra_bwd: 4 warps since its rewrite per sub-chunk (142 registers at 4 warps, 104 at 8,
+# spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms of kernel time at B=1 T=16384 H=32, now
+# 2.84); KDA fwd+bwd 8.93 ms at 4 warps, 8.98 at 2, 16.40 at 8 (H200, 2026-11-30). solve_wy (GDN) 2 -> 1 warp at the
+# same time (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC] blocks take the mma layout of a
+# single warp, so a second warp holds a copy of every block rather than a share of it; at 1 warp 237 registers and
+# no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none (with its rewrite: GDN forward
+# 1.154 -> 0.855 ms). Measured since, not adopted on main (no GPU test run at that setting): bwd_wy 4 warps (GDN
+# fwd+bwd 4.42 -> 3.70 ms; KDA unmeasured).
+# solve_wy_kda 2 -> 1 warp on this branch: measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32,
+# 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
+# and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
+# 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
 WARPS = {"cumsum": 4, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4, "dv_local": 8,
          "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
-# Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent.
-STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "kda_intra": 1}
+# Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
+# over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
+# 7 of 29 runs differing at 8 warps (rel RMS error up to 0.038 against 0.0022) and 29 of 29 at 4 warps (up to 0.15);
+# at 1 stage 0 of 29 at 8 and 4 warps, GDN and KDA (B=1 T=300 H=2 K=V=128 bf16, 2026-11-30), for +0.05 ms GDN and
+# +0.12 ms KDA fwd+bwd at B=1 T=16384 H=32. (fla 0.6.0 refuses its own kernel of this role, chunk_bwd_dqkwg, on
+# Hopper with triton 3.4 to 3.7.0 for "incorrect results"; tests/kernel_ops/test_chunk.py checks repeatability.)
+# _kda_intra runs unpipelined too (several tl.dots per loop step, the pattern of that race).
+STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 1}
 # _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
 # an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
 # in session 3, and 4 warps passed the V >= 64 shapes).
