@@ -80,7 +80,8 @@ import triton
 
 from .chunk_bwd_kernels import (_bwd_dqk_kernel, _bwd_wy_kernel, _dv_local_kernel, _kda_intra_bwd_kernel,
                                 _rev_cumsum_kernel, _state_bwd_kernel)
-from .chunk_fwd_kernels import _cumsum_kernel, _kda_intra_kernel, _output_kernel, _solve_wy_kernel, _state_fwd_kernel
+from .chunk_fwd_kernels import (_cumsum_kernel, _kda_diag_kernel, _kda_intra_kernel, _output_kernel, _solve_wy_kernel,
+                                _state_fwd_kernel)
 
 # Tunable launch constants (Hopper defaults).
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
@@ -145,8 +146,8 @@ NUM_STAGES = 2
 # 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
 # and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
 # 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
-WARPS = {"cumsum": 4, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4, "dv_local": 8,
-         "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
+WARPS = {"cumsum": 4, "kda_diag": 1, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
+         "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
 # over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
 # 7 of 29 runs differing at 8 warps (rel RMS error up to 0.038 against 0.0022) and 29 of 29 at 4 warps (up to 0.15);
@@ -260,6 +261,7 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
         kw = _kw("kda_intra")
         if prec_hi == "ieee":
             kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
+        _kda_diag_kernel[(Tp, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC, **_kw("kda_diag"))
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
                                                         BK=min(KDA_BK, K), PREC=prec_hi, **kw)
     c.update(Gc=Gc, M=M, P=P)

@@ -24,51 +24,36 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 
 @triton.jit
-def _kda_diag_level(G, q_i, k_i, Gb, r0, ck, K: tl.constexpr, HALF: tl.constexpr, BC: tl.constexpr,
-                    PREC: tl.constexpr):
-    """KDA, one level of the binary row hierarchy of the BC x BC diagonal block of rows r0 + [0, BC) (G, q_i, k_i:
-    its [BC, BK] tiles at channels ck): the pairs j < i within a group of 2 HALF rows with i in the group's second
-    half and j in its first, decayed through the group's middle row m as exp(G_i - G_m) exp(G_m - G_j) (both
-    exponents <= 0). Every row takes one exp per channel: its row factor if it lies in the second half of its group,
-    its column factor otherwise. Returns the pair sums over these channels (M's k_i k_j, P's q_i k_j), [BC, BC]
-    each, zero outside the level's pairs (a tl.dot of all rows against all columns, masked)."""
-    o = tl.arange(0, BC)
-    second = (o & HALF) != 0
-    mid = (o // (2 * HALF)) * (2 * HALF) + HALF
-    G_m = tl.load(Gb + (r0 + mid)[:, None] * K + ck[None, :])
-    e = tl.exp(tl.where(second[:, None], G - G_m, G_m - G))
-    col = tl.trans(tl.where(second[:, None], 0., k_i * e))
-    pairs = ((o[:, None] // (2 * HALF)) == (o[None, :] // (2 * HALF))) & second[:, None] & ~second[None, :]
-    sm = tl.where(pairs, _dot(tl.where(second[:, None], k_i * e, 0.), col, PREC), 0.)
-    sp = tl.where(pairs, _dot(tl.where(second[:, None], q_i * e, 0.), col, PREC), 0.)
-    return sm, sp
-
-
-@triton.jit
-def _kda_diag_block(qb, kb, Gb, r0, T, QS, KS, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                    PREC: tl.constexpr):
-    """KDA: the BC x BC diagonal block of rows (and columns) r0 + [0, BC) of M (j < i) and of P (j <= i), zero
-    above: every pair j < i by the level of the binary row hierarchy where i and j part (_kda_diag_level: levels of
-    BC, BC / 2, ..., 2 rows, one exp per row and channel each), and P's diagonal q_i . k_i without exps."""
-    o = tl.arange(0, BC)
-    ri = r0 + o
-    imask = (ri < T)[:, None]
-    accm = tl.zeros([BC, BC], dtype=tl.float32)
-    accp = tl.zeros([BC, BC], dtype=tl.float32)
-    qk = tl.zeros([BC], dtype=tl.float32)
-    for kk in range(0, K, BK):
-        ck = kk + tl.arange(0, BK)
-        G = tl.load(Gb + ri[:, None] * K + ck[None, :])
-        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        qk += tl.sum(q_i * k_i, 1)
-        for lv in tl.static_range(1, 8):     # levels of HALF = BC / 2, BC / 4, ..., 1 rows
-            if (BC >> lv) > 0:
-                sm, sp = _kda_diag_level(G, q_i, k_i, Gb, r0, ck, K, BC >> lv, BC, PREC)
-                accm += sm
-                accp += sp
-    accp += tl.where(o[:, None] == o[None, :], qk[:, None], 0.)
-    return accm, accp
+def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """KDA: row i of the diagonal BC x BC block of M (x = k, j < i) and of P for query head iq (x = q, j <= i),
+    M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for the j of i's sub-chunk up to i (exponents <= 0), zeros
+    right of i; M is stored by the iq = 0 program. One program per (padded row i, query head of the group, kv
+    head): elementwise products over the whole key dimension and sums, exact in fp32 on every path, one exp per
+    channel and pair j <= i; no tl.dot (the 16 x 16 blocks of a per-sub-chunk kernel cost more in layout
+    conversions than their products)."""
+    i, iq = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    Hq = H * NG
+    r0 = (i // BC) * BC
+    ck = tl.arange(0, K)
+    oc = tl.arange(0, BC)
+    Gb = Gc + i_bh * Tp * K
+    kb = k + (i_b * T * H + i_h) * K
+    inside = (ck * 0 + i) < T
+    G_i = tl.load(Gb + i * K + ck)
+    x_q = tl.load(q + ((i_b * T + i) * Hq + i_h * NG + iq) * K + ck, mask=inside, other=0.).to(tl.float32)
+    x_k = tl.load(kb + i * H * K + ck, mask=inside, other=0.).to(tl.float32)
+    m_row = tl.zeros([BC], dtype=tl.float32)
+    p_row = tl.zeros([BC], dtype=tl.float32)
+    for j in range(r0, i + 1):
+        k_j = tl.load(kb + j * H * K + ck, mask=(ck * 0 + j) < T, other=0.).to(tl.float32)
+        kg = k_j * tl.exp(G_i - tl.load(Gb + j * K + ck))
+        p_row = tl.where(oc == j - r0, tl.sum(x_q * kg, 0), p_row)
+        m_row = tl.where(oc == j - r0, tl.where(j < i, tl.sum(x_k * kg, 0), 0.), m_row)
+    first = (oc * 0 + iq) == 0
+    tl.store(M + (i_bh * Tp + i) * BT + (r0 % BT) + oc, m_row, mask=first)
+    tl.store(P + ((i_b * Hq + i_h * NG + iq) * Tp + i) * BT + (r0 % BT) + oc, p_row)
 
 
 @triton.jit
@@ -101,10 +86,10 @@ def _kda_offdiag_block(qb, kb, Gb, r0, c0, T, QS, KS, K: tl.constexpr, BC: tl.co
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, PREC: tl.constexpr):
     """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
-    (x = q, j <= i), M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), zeros right of the diagonal block; M is
-    stored by the iq = 0 program. One program per (chunk and sub-chunk I, query head of the group, kv head), K in
-    blocks of BK: the diagonal block (_kda_diag_block), then the I blocks of the earlier sub-chunks, one after the
-    other (_kda_offdiag_block), so that only [BC, BK] tiles and [BC, BC] accumulators are live."""
+    (x = q, j <= i) left of the diagonal block, M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), and zeros right of
+    it (the diagonal block is _kda_diag_kernel's); M is stored by the iq = 0 program. One program per (chunk and
+    sub-chunk I, query head of the group, kv head): the I blocks of the earlier sub-chunks one after the other
+    (_kda_offdiag_block), K in blocks of BK, so that only [BC, BK] tiles and [BC, BC] accumulators are live."""
     tl.static_assert(BT == 4 * BC)
     NS: tl.constexpr = BT // BC
     i_s, iq = tl.program_id(0), tl.program_id(1)
@@ -124,9 +109,6 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     oc = tl.arange(0, BC)
     blk = oc[:, None] * BT + oc[None, :]
     first = (oc * 0 + iq == 0)[:, None]
-    m, p = _kda_diag_block(qb, kb, Gb, r0, T, QS, KS, K, BC, BK, PREC)
-    tl.store(mo + I * BC + blk, m, mask=first)
-    tl.store(po + I * BC + blk, p)
     for J in range(0, I):
         m, p = _kda_offdiag_block(qb, kb, Gb, r0, t0 + J * BC, T, QS, KS, K, BC, BK, PREC)
         tl.store(mo + J * BC + blk, m, mask=first)

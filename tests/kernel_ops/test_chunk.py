@@ -191,10 +191,11 @@ class LaunchRecorder:
 def test_forward_kernels_run_once_and_inference_keeps_nothing(kind, monkeypatch):
     # with the default switches the backward runs no forward kernel; without autograd _solve_wy stores no T^-1
     launches = []
-    for name in ("_cumsum_kernel", "_kda_intra_kernel", "_solve_wy_kernel", "_state_fwd_kernel"):
+    for name in ("_cumsum_kernel", "_kda_diag_kernel", "_kda_intra_kernel", "_solve_wy_kernel", "_state_fwd_kernel"):
         monkeypatch.setattr(chunk_module, name, LaunchRecorder(getattr(chunk_module, name), name, launches))
     inputs = make_inputs(kind, 1, 75, 1, 16, 16, h0=True, seed=12)
-    forward = [("_cumsum_kernel", None)] + ([("_kda_intra_kernel", None)] if kind == "kda" else [])
+    kda_intra = [("_kda_diag_kernel", None), ("_kda_intra_kernel", None)]
+    forward = [("_cumsum_kernel", None)] + (kda_intra if kind == "kda" else [])
     with torch.no_grad():
         OPS[kind][0](*inputs[:5], initial_state=inputs[5], output_final_state=True)
     assert launches == forward + [("_solve_wy_kernel", False), ("_state_fwd_kernel", None)]
