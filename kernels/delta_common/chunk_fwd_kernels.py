@@ -57,29 +57,12 @@ def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def _kda_offdiag_block(qb, kb, Gb, r0, c0, T, QS, KS, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                       PREC: tl.constexpr):
-    """KDA: the BC x BC block of M and P at rows r0 + [0, BC) and the columns c0 + [0, BC) of an earlier sub-chunk
-    (c0 + BC <= r0): per key block one tl.dot each of x_i exp(G_i - G_r0) and k_j exp(G_r0 - G_j) (both exponents
-    <= 0, r0 lying between every j and i)."""
-    o = tl.arange(0, BC)
-    ri = r0 + o
-    rj = c0 + o
-    imask = (ri < T)[:, None]
-    jmask = (rj < T)[:, None]
-    accm = tl.zeros([BC, BC], dtype=tl.float32)
-    accp = tl.zeros([BC, BC], dtype=tl.float32)
-    for kk in range(0, K, BK):
-        ck = kk + tl.arange(0, BK)
-        g_r = tl.load(Gb + r0 * K + ck)[None, :]
-        k_j = tl.load(kb + rj[:, None] * KS + ck[None, :], mask=jmask, other=0.).to(tl.float32)
-        col = tl.trans(k_j * tl.exp(g_r - tl.load(Gb + rj[:, None] * K + ck[None, :])))
-        e_i = tl.exp(tl.load(Gb + ri[:, None] * K + ck[None, :]) - g_r)
-        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        accm += _dot(k_i * e_i, col, PREC)
-        accp += _dot(q_i * e_i, col, PREC)
-    return accm, accp
+def _kda_decayed_columns(kb, Gb, g_r, c0, T, ck, KS, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """KDA: k_j exp(G_r - G_j) for the BC rows j = c0 + [0, BC) of an earlier sub-chunk at channels ck (g_r: the
+    reference row's G there, [1, BK]; exponents <= 0), transposed to [BK, BC]: a block product's right factor."""
+    rj = c0 + tl.arange(0, BC)
+    k_j = tl.load(kb + rj[:, None] * KS + ck[None, :], mask=(rj < T)[:, None], other=0.).to(tl.float32)
+    return _to_op(tl.trans(k_j * tl.exp(g_r - tl.load(Gb + rj[:, None] * K + ck[None, :]))), PREC)
 
 
 @triton.jit
@@ -88,8 +71,9 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
     (x = q, j <= i) left of the diagonal block, M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), and zeros right of
     it (the diagonal block is _kda_diag_kernel's); M is stored by the iq = 0 program. One program per (chunk and
-    sub-chunk I, query head of the group, kv head): the I blocks of the earlier sub-chunks one after the other
-    (_kda_offdiag_block), K in blocks of BK, so that only [BC, BK] tiles and [BC, BC] accumulators are live."""
+    sub-chunk I, query head of the group, kv head), K in blocks of BK: the row factors x_i exp(G_i - G_r0) once
+    per key block, then per earlier sub-chunk J < I one tl.dot each against k_j exp(G_r0 - G_j) (r0 = the
+    sub-chunk's first row lies between every j and i: both exponents <= 0)."""
     tl.static_assert(BT == 4 * BC)
     NS: tl.constexpr = BT // BC
     i_s, iq = tl.program_id(0), tl.program_id(1)
@@ -107,12 +91,44 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     QS = Hq * K
     KS = H * K
     oc = tl.arange(0, BC)
+    ri = r0 + oc
+    imask = (ri < T)[:, None]
     blk = oc[:, None] * BT + oc[None, :]
     first = (oc * 0 + iq == 0)[:, None]
-    for J in range(0, I):
-        m, p = _kda_offdiag_block(qb, kb, Gb, r0, t0 + J * BC, T, QS, KS, K, BC, BK, PREC)
-        tl.store(mo + J * BC + blk, m, mask=first)
-        tl.store(po + J * BC + blk, p)
+    if I > 0:
+        m0 = tl.zeros([BC, BC], dtype=tl.float32)
+        p0 = tl.zeros([BC, BC], dtype=tl.float32)
+        m1 = tl.zeros([BC, BC], dtype=tl.float32)
+        p1 = tl.zeros([BC, BC], dtype=tl.float32)
+        m2 = tl.zeros([BC, BC], dtype=tl.float32)
+        p2 = tl.zeros([BC, BC], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            ck = kk + tl.arange(0, BK)
+            g_r = tl.load(Gb + r0 * K + ck)[None, :]
+            e_i = tl.exp(tl.load(Gb + ri[:, None] * K + ck[None, :]) - g_r)
+            k_i = _to_op(tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32) * e_i,
+                         PREC)
+            q_i = _to_op(tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32) * e_i,
+                         PREC)
+            col = _kda_decayed_columns(kb, Gb, g_r, t0, T, ck, KS, K, BC, PREC)
+            m0 += _dot(k_i, col, PREC)
+            p0 += _dot(q_i, col, PREC)
+            if I > 1:
+                col = _kda_decayed_columns(kb, Gb, g_r, t0 + BC, T, ck, KS, K, BC, PREC)
+                m1 += _dot(k_i, col, PREC)
+                p1 += _dot(q_i, col, PREC)
+            if I > 2:
+                col = _kda_decayed_columns(kb, Gb, g_r, t0 + 2 * BC, T, ck, KS, K, BC, PREC)
+                m2 += _dot(k_i, col, PREC)
+                p2 += _dot(q_i, col, PREC)
+        tl.store(mo + blk, m0, mask=first)
+        tl.store(po + blk, p0)
+        if I > 1:
+            tl.store(mo + BC + blk, m1, mask=first)
+            tl.store(po + BC + blk, p1)
+        if I > 2:
+            tl.store(mo + 2 * BC + blk, m2, mask=first)
+            tl.store(po + 2 * BC + blk, p2)
     la = tl.arange(0, BT)
     upper = (la[None, :] >= (I + 1) * BC) & (oc >= 0)[:, None]
     zeros = tl.zeros([BC, BT], dtype=tl.float32)
