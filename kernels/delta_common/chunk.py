@@ -97,6 +97,9 @@ STATE_BWD_STAGE_SMEM = 200 * 1024
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp,
                     # bf16 inputs: 145 registers, no spills; 32 spills 40 bytes; offline sm_90 compile, triton 3.9)
+KDA_DIAG_ROWS = 16  # rows per group of KDA's token-parallel diagonal kernel _kda_diag: 16 (= SUB_CHUNK) or 8 (then
+                    # _kda_intra forms the diagonal block's pairs across its halves with one more pair of tl.dots)
+KDA_DIAG_BH = 1     # kv heads per _kda_diag program
 KDA_INTRA_IEEE_WARPS = 2  # _kda_intra's warps with exact fp32 ("ieee") products: FMA tl.dots, 40 bytes spilled at 1 warp,
                           # 140 registers at 2 (offline sm_90 compile, triton 3.9)
 WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
@@ -261,9 +264,11 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
         kw = _kw("kda_intra")
         if prec_hi == "ieee":
             kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
-        _kda_diag_kernel[(Tp, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC, **_kw("kda_diag"))
+        _kda_diag_kernel[(Tp, NG, B * triton.cdiv(H, KDA_DIAG_BH))](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                                   DR=KDA_DIAG_ROWS, BH=KDA_DIAG_BH,
+                                                                   **_kw("kda_diag"))
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                        BK=min(KDA_BK, K), PREC=prec_hi, **kw)
+                                                        BK=min(KDA_BK, K), DR=KDA_DIAG_ROWS, PREC=prec_hi, **kw)
     c.update(Gc=Gc, M=M, P=P)
     if "W" in kept:
         W, U, Tinv = kept["W"], kept.get("U"), kept["Tinv"]

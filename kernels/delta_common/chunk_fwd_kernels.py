@@ -24,36 +24,43 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 
 @triton.jit
-def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     DR: tl.constexpr, BH: tl.constexpr):
     """KDA: row i of the diagonal BC x BC block of M (x = k, j < i) and of P for query head iq (x = q, j <= i),
-    M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for the j of i's sub-chunk up to i (exponents <= 0), zeros
-    right of i; M is stored by the iq = 0 program. One program per (padded row i, query head of the group, kv
-    head): elementwise products over the whole key dimension and sums, exact in fp32 on every path, one exp per
-    channel and pair j <= i; no tl.dot (the 16 x 16 blocks of a per-sub-chunk kernel cost more in layout
-    conversions than their products)."""
+    for BH kv heads: M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for the j of i's group of DR rows (DR = BC,
+    or BC / 2 with the pairs across the two halves left to _kda_intra) up to i (exponents <= 0), zeros right of
+    i; M is stored by the iq = 0 program. One program per (padded row i, query head of the group, batch and block
+    of BH kv heads): elementwise products over the whole key dimension and sums, exact in fp32 on every path, one
+    exp per channel and pair; no tl.dot (16 x 16 blocks cost more in layout conversions than in products)."""
     i, iq = tl.program_id(0), tl.program_id(1)
-    i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bhb = tl.program_id(2)
+    HB = tl.cdiv(H, BH)
+    i_b = (i_bhb // HB).to(tl.int64)
+    h = (i_bhb % HB) * BH + tl.arange(0, BH)
+    hmask = (h < H)[:, None]
     Hq = H * NG
-    r0 = (i // BC) * BC
-    ck = tl.arange(0, K)
-    oc = tl.arange(0, BC)
-    Gb = Gc + i_bh * Tp * K
-    kb = k + (i_b * T * H + i_h) * K
-    inside = (ck * 0 + i) < T
-    G_i = tl.load(Gb + i * K + ck)
-    x_q = tl.load(q + ((i_b * T + i) * Hq + i_h * NG + iq) * K + ck, mask=inside, other=0.).to(tl.float32)
-    x_k = tl.load(kb + i * H * K + ck, mask=inside, other=0.).to(tl.float32)
-    m_row = tl.zeros([BC], dtype=tl.float32)
-    p_row = tl.zeros([BC], dtype=tl.float32)
+    s0 = (i // BC) * BC
+    r0 = (i // DR) * DR
+    ck = tl.arange(0, K)[None, :]
+    oc = tl.arange(0, BC)[None, :]
+    Gb = Gc + (i_b * H + h[:, None]) * Tp * K + ck
+    kb = k + (i_b * T * H + h[:, None]) * K + ck
+    inside = hmask & ((ck * 0 + i) < T)
+    G_i = tl.load(Gb + i * K, mask=hmask, other=0.)
+    x_q = tl.load(q + ((i_b * T + i) * Hq + h[:, None] * NG + iq) * K + ck, mask=inside, other=0.).to(tl.float32)
+    x_k = tl.load(kb + i * H * K, mask=inside, other=0.).to(tl.float32)
+    m_row = tl.zeros([BH, BC], dtype=tl.float32)
+    p_row = tl.zeros([BH, BC], dtype=tl.float32)
     for j in range(r0, i + 1):
-        k_j = tl.load(kb + j * H * K + ck, mask=(ck * 0 + j) < T, other=0.).to(tl.float32)
-        kg = k_j * tl.exp(G_i - tl.load(Gb + j * K + ck))
-        p_row = tl.where(oc == j - r0, tl.sum(x_q * kg, 0), p_row)
-        m_row = tl.where(oc == j - r0, tl.where(j < i, tl.sum(x_k * kg, 0), 0.), m_row)
+        k_j = tl.load(kb + j * H * K, mask=hmask & ((ck * 0 + j) < T), other=0.).to(tl.float32)
+        kg = k_j * tl.exp(G_i - tl.load(Gb + j * K, mask=hmask, other=0.))
+        at_j = oc == j - s0
+        p_row = tl.where(at_j, tl.sum(x_q * kg, 1)[:, None], p_row)
+        m_row = tl.where(at_j & (j < i), tl.sum(x_k * kg, 1)[:, None], m_row)
+    mine = hmask & (oc >= r0 - s0)     # the pairs across the halves (DR < BC) are _kda_intra's
     first = (oc * 0 + iq) == 0
-    tl.store(M + (i_bh * Tp + i) * BT + (r0 % BT) + oc, m_row, mask=first)
-    tl.store(P + ((i_b * Hq + i_h * NG + iq) * Tp + i) * BT + (r0 % BT) + oc, p_row)
+    tl.store(M + ((i_b * H + h[:, None]) * Tp + i) * BT + (s0 % BT) + oc, m_row, mask=mine & first)
+    tl.store(P + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * BT + (s0 % BT) + oc, p_row, mask=mine)
 
 
 @triton.jit
@@ -67,14 +74,17 @@ def _kda_decayed_columns(kb, Gb, g_r, c0, T, ck, KS, K: tl.constexpr, BC: tl.con
 
 @triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, DR: tl.constexpr, PREC: tl.constexpr):
     """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
     (x = q, j <= i) left of the diagonal block, M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), and zeros right of
-    it (the diagonal block is _kda_diag_kernel's); M is stored by the iq = 0 program. One program per (chunk and
-    sub-chunk I, query head of the group, kv head), K in blocks of BK: the row factors x_i exp(G_i - G_r0) once
-    per key block, then per earlier sub-chunk J < I one tl.dot each against k_j exp(G_r0 - G_j) (r0 = the
-    sub-chunk's first row lies between every j and i: both exponents <= 0)."""
+    it; with DR = BC / 2 also the diagonal block's pairs from its first into its second half (decayed through the
+    middle row m: exp(G_i - G_m) exp(G_m - G_j)), the rest of the diagonal block being _kda_diag_kernel's; M is
+    stored by the iq = 0 program. One program per (chunk and sub-chunk I, query head of the group, kv head), K in
+    blocks of BK: the row factors x_i exp(G_i - G_r0) once per key block, then per earlier sub-chunk J < I one
+    tl.dot each against k_j exp(G_r0 - G_j) (r0 = the sub-chunk's first row lies between every j and i: both
+    exponents <= 0)."""
     tl.static_assert(BT == 4 * BC)
+    tl.static_assert(DR == BC or 2 * DR == BC)
     NS: tl.constexpr = BT // BC
     i_s, iq = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -95,40 +105,59 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     imask = (ri < T)[:, None]
     blk = oc[:, None] * BT + oc[None, :]
     first = (oc * 0 + iq == 0)[:, None]
-    if I > 0:
-        m0 = tl.zeros([BC, BC], dtype=tl.float32)
-        p0 = tl.zeros([BC, BC], dtype=tl.float32)
-        m1 = tl.zeros([BC, BC], dtype=tl.float32)
-        p1 = tl.zeros([BC, BC], dtype=tl.float32)
-        m2 = tl.zeros([BC, BC], dtype=tl.float32)
-        p2 = tl.zeros([BC, BC], dtype=tl.float32)
-        for kk in range(0, K, BK):
-            ck = kk + tl.arange(0, BK)
+    second_half = (oc >= DR)[:, None]
+    m0 = tl.zeros([BC, BC], dtype=tl.float32)
+    p0 = tl.zeros([BC, BC], dtype=tl.float32)
+    m1 = tl.zeros([BC, BC], dtype=tl.float32)
+    p1 = tl.zeros([BC, BC], dtype=tl.float32)
+    m2 = tl.zeros([BC, BC], dtype=tl.float32)
+    p2 = tl.zeros([BC, BC], dtype=tl.float32)
+    mh = tl.zeros([BC, BC], dtype=tl.float32)
+    ph = tl.zeros([BC, BC], dtype=tl.float32)
+    if DR < BC:
+        k_end = K
+    else:
+        k_end = K * (I > 0).to(tl.int32)     # sub-chunk 0 has only zeros to store
+    for kk in range(0, k_end, BK):
+        ck = kk + tl.arange(0, BK)
+        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+        if DR < BC:
+            g_m = tl.load(Gb + (r0 + DR) * K + ck)[None, :]
+            e_h = tl.where(second_half, tl.exp(tl.where(second_half, G_i - g_m, 0.)), 0.)
+            col_h = _to_op(tl.trans(tl.where(second_half, 0., k_i * tl.exp(tl.where(second_half, 0., g_m - G_i)))), PREC)
+            mh += _dot(_to_op(k_i * e_h, PREC), col_h, PREC)
+            ph += _dot(_to_op(q_i * e_h, PREC), col_h, PREC)
+        if I > 0:
             g_r = tl.load(Gb + r0 * K + ck)[None, :]
-            e_i = tl.exp(tl.load(Gb + ri[:, None] * K + ck[None, :]) - g_r)
-            k_i = _to_op(tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32) * e_i,
-                         PREC)
-            q_i = _to_op(tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32) * e_i,
-                         PREC)
+            e_i = tl.exp(G_i - g_r)
+            kx = _to_op(k_i * e_i, PREC)
+            qx = _to_op(q_i * e_i, PREC)
             col = _kda_decayed_columns(kb, Gb, g_r, t0, T, ck, KS, K, BC, PREC)
-            m0 += _dot(k_i, col, PREC)
-            p0 += _dot(q_i, col, PREC)
+            m0 += _dot(kx, col, PREC)
+            p0 += _dot(qx, col, PREC)
             if I > 1:
                 col = _kda_decayed_columns(kb, Gb, g_r, t0 + BC, T, ck, KS, K, BC, PREC)
-                m1 += _dot(k_i, col, PREC)
-                p1 += _dot(q_i, col, PREC)
+                m1 += _dot(kx, col, PREC)
+                p1 += _dot(qx, col, PREC)
             if I > 2:
                 col = _kda_decayed_columns(kb, Gb, g_r, t0 + 2 * BC, T, ck, KS, K, BC, PREC)
-                m2 += _dot(k_i, col, PREC)
-                p2 += _dot(q_i, col, PREC)
+                m2 += _dot(kx, col, PREC)
+                p2 += _dot(qx, col, PREC)
+    if DR < BC:
+        quadrant = second_half & (oc < DR)[None, :]
+        tl.store(mo + I * BC + blk, mh, mask=quadrant & first)
+        tl.store(po + I * BC + blk, ph, mask=quadrant)
+    if I > 0:
         tl.store(mo + blk, m0, mask=first)
         tl.store(po + blk, p0)
-        if I > 1:
-            tl.store(mo + BC + blk, m1, mask=first)
-            tl.store(po + BC + blk, p1)
-        if I > 2:
-            tl.store(mo + 2 * BC + blk, m2, mask=first)
-            tl.store(po + 2 * BC + blk, p2)
+    if I > 1:
+        tl.store(mo + BC + blk, m1, mask=first)
+        tl.store(po + BC + blk, p1)
+    if I > 2:
+        tl.store(mo + 2 * BC + blk, m2, mask=first)
+        tl.store(po + 2 * BC + blk, p2)
     la = tl.arange(0, BT)
     upper = (la[None, :] >= (I + 1) * BC) & (oc >= 0)[:, None]
     zeros = tl.zeros([BC, BT], dtype=tl.float32)
