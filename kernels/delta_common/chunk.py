@@ -97,9 +97,9 @@ STATE_BWD_STAGE_SMEM = 200 * 1024
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp,
                     # bf16 inputs: 145 registers, no spills; 32 spills 40 bytes; offline sm_90 compile, triton 3.9)
-KDA_DIAG_ROWS = 16  # rows per group of KDA's token-parallel diagonal kernel _kda_diag: 16 (= SUB_CHUNK) or 8 (then
+KDA_DIAG_ROWS = 8   # rows per group of KDA's token-parallel diagonal kernel _kda_diag: 16 (= SUB_CHUNK) or 8 (then
                     # _kda_intra forms the diagonal block's pairs across its halves with one more pair of tl.dots)
-KDA_DIAG_BH = 1     # kv heads per _kda_diag program
+KDA_DIAG_BH = 4     # kv heads per _kda_diag program
 KDA_INTRA_IEEE_WARPS = 2  # _kda_intra's warps with exact fp32 ("ieee") products: FMA tl.dots, 40 bytes spilled at 1 warp,
                           # 140 registers at 2 (offline sm_90 compile, triton 3.9)
 WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
@@ -149,7 +149,7 @@ NUM_STAGES = 2
 # 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
 # and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
 # 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
-WARPS = {"cumsum": 4, "kda_diag": 1, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
+WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
          "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
 # over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
@@ -158,7 +158,7 @@ WARPS = {"cumsum": 4, "kda_diag": 1, "kda_intra": 1, "solve_wy": 1, "solve_wy_kd
 # +0.12 ms KDA fwd+bwd at B=1 T=16384 H=32. (fla 0.6.0 refuses its own kernel of this role, chunk_bwd_dqkwg, on
 # Hopper with triton 3.4 to 3.7.0 for "incorrect results"; tests/kernel_ops/test_chunk.py checks repeatability.)
 # _kda_intra runs unpipelined too (several tl.dots per loop step, the pattern of that race).
-STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 1}
+STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 2}
 # _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
 # an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
 # in session 3, and 4 warps passed the V >= 64 shapes).

@@ -73,6 +73,20 @@ def _kda_decayed_columns(kb, Gb, g_r, c0, T, ck, KS, K: tl.constexpr, BC: tl.con
 
 
 @triton.jit
+def _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K: tl.constexpr, BC: tl.constexpr, DR: tl.constexpr,
+                          PREC: tl.constexpr):
+    """KDA, one key block (channels ck) of the pairs of the diagonal block of rows r0 + [0, BC) (G_i, k_i, q_i: its
+    [BC, BK] tiles) with j in its first DR rows and i in the rest, decayed through the middle row m = r0 + DR as
+    exp(G_i - G_m) exp(G_m - G_j) (both exponents <= 0): M's and P's terms, [BC, BC] each, zero outside those
+    pairs."""
+    second_half = (tl.arange(0, BC) >= DR)[:, None]
+    g_m = tl.load(Gb + (r0 + DR) * K + ck)[None, :]
+    e_i = tl.where(second_half, tl.exp(tl.where(second_half, G_i - g_m, 0.)), 0.)
+    col = _to_op(tl.trans(tl.where(second_half, 0., k_i * tl.exp(tl.where(second_half, 0., g_m - G_i)))), PREC)
+    return _dot(_to_op(k_i * e_i, PREC), col, PREC), _dot(_to_op(q_i * e_i, PREC), col, PREC)
+
+
+@triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       BK: tl.constexpr, DR: tl.constexpr, PREC: tl.constexpr):
     """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
@@ -105,31 +119,24 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     imask = (ri < T)[:, None]
     blk = oc[:, None] * BT + oc[None, :]
     first = (oc * 0 + iq == 0)[:, None]
-    second_half = (oc >= DR)[:, None]
-    m0 = tl.zeros([BC, BC], dtype=tl.float32)
-    p0 = tl.zeros([BC, BC], dtype=tl.float32)
-    m1 = tl.zeros([BC, BC], dtype=tl.float32)
-    p1 = tl.zeros([BC, BC], dtype=tl.float32)
-    m2 = tl.zeros([BC, BC], dtype=tl.float32)
-    p2 = tl.zeros([BC, BC], dtype=tl.float32)
     mh = tl.zeros([BC, BC], dtype=tl.float32)
     ph = tl.zeros([BC, BC], dtype=tl.float32)
-    if DR < BC:
-        k_end = K
-    else:
-        k_end = K * (I > 0).to(tl.int32)     # sub-chunk 0 has only zeros to store
-    for kk in range(0, k_end, BK):
-        ck = kk + tl.arange(0, BK)
-        G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
-        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        if DR < BC:
-            g_m = tl.load(Gb + (r0 + DR) * K + ck)[None, :]
-            e_h = tl.where(second_half, tl.exp(tl.where(second_half, G_i - g_m, 0.)), 0.)
-            col_h = _to_op(tl.trans(tl.where(second_half, 0., k_i * tl.exp(tl.where(second_half, 0., g_m - G_i)))), PREC)
-            mh += _dot(_to_op(k_i * e_h, PREC), col_h, PREC)
-            ph += _dot(_to_op(q_i * e_h, PREC), col_h, PREC)
-        if I > 0:
+    if I > 0:
+        m0 = tl.zeros([BC, BC], dtype=tl.float32)
+        p0 = tl.zeros([BC, BC], dtype=tl.float32)
+        m1 = tl.zeros([BC, BC], dtype=tl.float32)
+        p1 = tl.zeros([BC, BC], dtype=tl.float32)
+        m2 = tl.zeros([BC, BC], dtype=tl.float32)
+        p2 = tl.zeros([BC, BC], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            ck = kk + tl.arange(0, BK)
+            G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+            k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            if DR < BC:
+                dm, dp = _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K, BC, DR, PREC)
+                mh += dm
+                ph += dp
             g_r = tl.load(Gb + r0 * K + ck)[None, :]
             e_i = tl.exp(G_i - g_r)
             kx = _to_op(k_i * e_i, PREC)
@@ -145,19 +152,27 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
                 col = _kda_decayed_columns(kb, Gb, g_r, t0 + 2 * BC, T, ck, KS, K, BC, PREC)
                 m2 += _dot(kx, col, PREC)
                 p2 += _dot(qx, col, PREC)
-    if DR < BC:
-        quadrant = second_half & (oc < DR)[None, :]
-        tl.store(mo + I * BC + blk, mh, mask=quadrant & first)
-        tl.store(po + I * BC + blk, ph, mask=quadrant)
-    if I > 0:
         tl.store(mo + blk, m0, mask=first)
         tl.store(po + blk, p0)
-    if I > 1:
-        tl.store(mo + BC + blk, m1, mask=first)
-        tl.store(po + BC + blk, p1)
-    if I > 2:
-        tl.store(mo + 2 * BC + blk, m2, mask=first)
-        tl.store(po + 2 * BC + blk, p2)
+        if I > 1:
+            tl.store(mo + BC + blk, m1, mask=first)
+            tl.store(po + BC + blk, p1)
+        if I > 2:
+            tl.store(mo + 2 * BC + blk, m2, mask=first)
+            tl.store(po + 2 * BC + blk, p2)
+    elif DR < BC:
+        for kk in range(0, K, BK):
+            ck = kk + tl.arange(0, BK)
+            G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+            k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            dm, dp = _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K, BC, DR, PREC)
+            mh += dm
+            ph += dp
+    if DR < BC:
+        quadrant = (oc >= DR)[:, None] & (oc < DR)[None, :]
+        tl.store(mo + I * BC + blk, mh, mask=quadrant & first)
+        tl.store(po + I * BC + blk, ph, mask=quadrant)
     la = tl.arange(0, BT)
     upper = (la[None, :] >= (I + 1) * BC) & (oc >= 0)[:, None]
     zeros = tl.zeros([BC, BT], dtype=tl.float32)
