@@ -12,16 +12,18 @@ inside the chunk (fp32), and the decayed products (scalar decay: E_ij = exp(G_i 
     O = scale [ (q exp(G)) S + P V' ]
     S <- exp(G_last) S + (k exp(G_last - G))^T V'
 Only differences G_i - G_j with j <= i (and G_last - G_i) are ever exponentiated. For KDA the
-per-channel products are formed per sub-chunk of BC rows against a reference row of G inside the
-sub-chunk (both factors then have non-positive exponents). The forward takes the BC x BC diagonal blocks
-elementwise from the decays exp(-|G_i - G_j|) (chunk_common._kda_diag_decay), in two halves with the pairs
-across them about a reference row; the backward splits every pair j < i of the chunk by the binary hierarchy of
-its rows (levels 64, 32, 16, 8, 4, 2: i in the second, j in the first half of a row group, decayed through the
-group's middle row m as exp(G_i - G_m) exp(G_m - G_j)), one exp per row and channel per level, the pair sums as
-tl.dots of (masked) dP, dM blocks.
+per-channel products are formed per sub-chunk of BC rows against a reference row of G between i and j
+(both factors then have non-positive exponents): the forward's off-diagonal BC x BC blocks about the first row of
+the block row, and the pairs across the two halves of a diagonal block about its middle row; the pairs within a
+group of KDA_DIAG_ROWS rows directly, exp(G_i - G_j) per pair and channel, elementwise (_kda_diag); in the
+backward every pair j < i of the chunk by the binary hierarchy of the rows (levels 64, ..., 2: i in the second, j
+in the first half of a row group, decayed through the group's middle row m as exp(G_i - G_m) exp(G_m - G_j)), one
+exp per row and channel per level, the pair sums as masked tl.dots.
 
 Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query heads, NS = BT / BC):
-  forward:  _cumsum [NT, bh] -> (KDA) _kda_intra [NT, NG, bh] (M and P together, sharing the exps)
+  forward:  _cumsum [NT, bh] -> (KDA) _kda_diag [Tp, NG, B * H/KDA_DIAG_BH] (one program per row and block of
+            kv heads: the pairs within its group of KDA_DIAG_ROWS rows, no tl.dot) and _kda_intra [NT * NS, NG, bh]
+            (one program per sub-chunk: the rest of its rows of M and P, sharing the exps)
             -> _solve_wy [NT, bh] (T, W, U; KDA also k exp(G_last - G))
             -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
   backward: the forward intermediates it needs: G (KDA also M, P), T^-1, W (KDA also Kd), the chunk states Hs
@@ -34,16 +36,16 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
             sequential loop takes no per-channel exps) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA)
             _kda_intra_bwd [NS * K/BK, NT, bh] (one program per sub-chunk and key block, launched once per query
             head of the group) -> _rev_cumsum [NT, bh] (dg from dG)
-The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy) take K in blocks (KDA_BK and
-KDA_DIAG_BK, WY_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA sub-chunk kernel takes the
-off-diagonal sub-blocks and the diagonal blocks in separate passes over K, so that the tiles of one are not live
-during the other. The backward one, _kda_intra_bwd, takes one sub-chunk of BC rows and one key block of
-KDA_BWD_BK channels per program (142 registers, no spills at 4 warps with TF32 products; offline sm_90 compile,
-triton 3.9), so each of its dq, dk, dG entries is added to once per query head. _bwd_dqk keeps whole [BT, K]
-tiles (its V-reductions dV' S^T, V' dS'^T, dO S^T and dO V'^T accumulate over V blocks of BV in one pass, each
-input tile loaded once, dO V'^T formed once rather than once per key block); at 8 warps, one query head per kv
-head, its bf16 path does not spill registers, TF32 spills 8 bytes for KDA, and its fp32 "ieee" path spills, as it
-did with key blocks.
+The chunk kernels with a key-dimension loop (_kda_intra, _solve_wy's W, _bwd_wy) take K in blocks (KDA_BK,
+WY_BK, BWD_WY_BK) to keep their register tiles small; the forward KDA sub-chunk kernel forms its row factors once
+per key block of KDA_BK channels and takes every block of its rows in that one pass over K ([BC, KDA_BK] tiles and
+up to eight [BC, BC] accumulators at one warp: a 16 x 16 tl.dot is one warp's mma tile). The backward one,
+_kda_intra_bwd, takes one sub-chunk of BC rows and one key block of KDA_BWD_BK channels per program (142
+registers, no spills at 4 warps with TF32 products; offline sm_90 compile, triton 3.9), so each of its dq, dk,
+dG entries is added to once per query head. _bwd_dqk keeps whole [BT, K] tiles (its V-reductions dV' S^T,
+V' dS'^T, dO S^T and dO V'^T accumulate over V blocks of BV in one pass, each input tile loaded once, dO V'^T
+formed once rather than once per key block); at 8 warps, one query head per kv head, its bf16 path does not spill
+registers, TF32 spills 8 bytes for KDA, and its fp32 "ieee" path spills, as it did with key blocks.
 Intermediates live in padded buffers [B, H, NT*BT, ...]; padded rows have k = v = q = beta = 0 and g = 0,
 which makes them exact no-ops.
 
@@ -57,13 +59,14 @@ Precision (PREC of the products; _precisions):
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
 Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
-(but _kda_intra and KDA's _solve_wy, run at the 2 warps measured fastest; see WARPS).
+(but KDA's _solve_wy at 1 warp; see WARPS).
 
 _solve_wy: GDN forms the 10 lower blocks k_I k_J^T of M itself (K in blocks of WY_BK, key tiles as loaded, bf16
 operands on the bf16 path), the off-diagonal decays factored about each block row's first row (vectors of exps,
 no [BC, BC] ones); the diagonal blocks enter the forward substitution transposed (no layout conversion per
 step); the column factors of W and U are folded into T's blocks (W = (T diag(beta exp(G))) k, U = (T diag(beta)) v;
 KDA: W = (T diag(beta)) (exp(G) k)), so their key and value tiles enter the products as loaded.
+KDA takes each [BC, WY_BK] block of k and G once for both exp(G) k (W) and Kd = k exp(G_last - G).
 
 Grouped query heads: q has Hq = NG * H heads; query head hq reads kv head hq // NG.
 
@@ -79,7 +82,8 @@ import triton
 
 from .chunk_bwd_kernels import (_bwd_dqk_kernel, _bwd_wy_kernel, _dv_local_kernel, _kda_intra_bwd_kernel,
                                 _rev_cumsum_kernel, _state_bwd_kernel)
-from .chunk_fwd_kernels import _cumsum_kernel, _kda_intra_kernel, _output_kernel, _solve_wy_kernel, _state_fwd_kernel
+from .chunk_fwd_kernels import (_cumsum_kernel, _kda_diag_kernel, _kda_intra_kernel, _output_kernel, _solve_wy_kernel,
+                                _state_fwd_kernel)
 
 # Tunable launch constants (Hopper defaults).
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
@@ -93,9 +97,18 @@ STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates (TF32 or exact produc
 # that its products and layout conversions use besides (measured 16-29 KB, offline compiles, triton 3.9)
 STATE_BWD_STAGE_SMEM = 200 * 1024
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
-KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra (off-diagonal sub-blocks;
-                    # at 32 its [64, 32] tiles of the last sub-chunk take 255 registers and spill at 4 warps)
-KDA_DIAG_BK = 16    # key-dimension block of _kda_intra's diagonal blocks ([KDA_DIAG_BK, BC/2, BC/2] terms at once)
+KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp
+                    # and 2 stages, bf16 inputs, TF32 products: 176 registers, no spills; offline sm_90 compile,
+                    # triton 3.9, session 8; _kda_diag at 4 heads, 2 warps: 80 registers)
+KDA_DIAG_ROWS = 8   # rows per group of KDA's token-parallel diagonal kernel _kda_diag: 16 (= SUB_CHUNK) or 8 (then
+                    # _kda_intra forms the diagonal block's pairs across its halves with one more pair of tl.dots).
+                    # H200, bf16, KDA forward B=1 T=16384 H=32 (2026-11-30, session 8, with an interim _kda_intra
+                    # 0.17 ms slower than this one): 8 rows 2.14 ms, 16 rows 2.30 (_kda_diag 0.37 vs 0.62 ms)
+KDA_DIAG_BH = 4     # kv heads per _kda_diag program (with 2 warps: WARPS; same sweep, 8 rows: BH 1 / 1 warp 2.21 ms,
+                    # 2 / 1 warp 2.15, 4 / 1 warp 2.17, 4 / 2 warps 2.14; 16 rows: 8 / 2 warps 2.54)
+KDA_INTRA_IEEE_WARPS = 2  # _kda_intra's warps with exact fp32 ("ieee") products (FMA tl.dots): 198 registers, no
+                          # spills at 2 warps (offline sm_90 compile, triton 3.9; before session 8, 40 bytes
+                          # spilled at 1 warp)
 WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
 KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
@@ -121,10 +134,13 @@ KEEP_CHUNK_STATES_FOR_BACKWARD = True
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
-# forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage), but for
-# _kda_intra, one program per chunk since 2026-11-30: 168 registers and no spills at 4 warps with TF32 products
-# (offline compile, triton 3.9), yet measured fastest at 2 warps (H200, bf16, KDA forward B=1 T=16384: 2.77 ms at
-# 2 warps, 3.34 at 4, 5.73 at 8; B=4 T=8192: 5.56 / 6.52 / 11.37). The other forward entries come from
+# forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage). kda_intra: one
+# program per sub-chunk (session 8; before: one per chunk at 2 warps, 1.10 ms of the 2.53 ms KDA forward at B=1
+# T=16384 H=32, H200; now with _kda_diag 0.29 + 0.59 ms at 16 diagonal rows): its [16, 16] blocks take one warp's mma
+# tile (2 warps: 2.51 vs 2.30 ms forward). Its loop holds several tl.dots, the pattern of the _bwd_dqk race below,
+# yet 2 stages passed the GPU tests in three calls (whole chunk suite twice, then the KDA set with the
+# repeatability test of forward and backward) and take the forward from 2.30 to 2.11 ms (session 8, H200). Exact
+# fp32 products: see KDA_INTRA_IEEE_WARPS. The other forward entries come from
 # `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
 # 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
@@ -134,17 +150,22 @@ NUM_STAGES = 2
 # same time (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC] blocks take the mma layout of a
 # single warp, so a second warp holds a copy of every block rather than a share of it; at 1 warp 237 registers and
 # no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none (with its rewrite: GDN forward
-# 1.154 -> 0.855 ms). Measured since, not yet adopted (no GPU test run at these settings): solve_wy_kda 1 warp
-# (KDA forward 2.53 -> 2.43 ms), bwd_wy 4 warps (GDN fwd+bwd 4.42 -> 3.70 ms; KDA unmeasured).
-WARPS = {"cumsum": 4, "kda_intra": 2, "solve_wy": 1, "solve_wy_kda": 2, "state_fwd": 4, "output": 4, "dv_local": 8,
-         "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
+# 1.154 -> 0.855 ms). Measured since, not adopted on main (no GPU test run at that setting): bwd_wy 4 warps (GDN
+# fwd+bwd 4.42 -> 3.70 ms; KDA unmeasured).
+# solve_wy_kda 2 -> 1 warp on this branch: measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32,
+# 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
+# and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
+# 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
+WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
+         "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
 # over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
 # 7 of 29 runs differing at 8 warps (rel RMS error up to 0.038 against 0.0022) and 29 of 29 at 4 warps (up to 0.15);
 # at 1 stage 0 of 29 at 8 and 4 warps, GDN and KDA (B=1 T=300 H=2 K=V=128 bf16, 2026-11-30), for +0.05 ms GDN and
 # +0.12 ms KDA fwd+bwd at B=1 T=16384 H=32. (fla 0.6.0 refuses its own kernel of this role, chunk_bwd_dqkwg, on
 # Hopper with triton 3.4 to 3.7.0 for "incorrect results"; tests/kernel_ops/test_chunk.py checks repeatability.)
-STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1}
+# _kda_intra is pipelined (2 stages) on its GPU test record: see WARPS' comment.
+STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 2}
 # _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
 # an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
 # in session 3, and 4 warps passed the V >= 64 shapes).
@@ -247,8 +268,14 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
     if per_channel and M is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
-        _kda_intra_kernel[(NT, NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC, BK=min(KDA_BK, K),
-                                           DBK=min(KDA_DIAG_BK, K), PREC=prec_hi, **_kw("kda_intra"))
+        kw = _kw("kda_intra")
+        if prec_hi == "ieee":
+            kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
+        _kda_diag_kernel[(Tp, NG, B * triton.cdiv(H, KDA_DIAG_BH))](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                                   DR=KDA_DIAG_ROWS, BH=KDA_DIAG_BH,
+                                                                   **_kw("kda_diag"))
+        _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
+                                                        BK=min(KDA_BK, K), DR=KDA_DIAG_ROWS, PREC=prec_hi, **kw)
     c.update(Gc=Gc, M=M, P=P)
     if "W" in kept:
         W, U, Tinv = kept["W"], kept.get("U"), kept["Tinv"]

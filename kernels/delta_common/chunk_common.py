@@ -1,7 +1,7 @@
 """Triton helpers shared by the forward and backward kernels of the chunked gated delta rule (chunk.py):
 the precision switch of the products and stores (PREC "ieee" / "tf32": fp32 operands; "bf16": bf16 operands
 with fp32 accumulation; "bf16emu": the bf16 roundings reproduced under the CPU interpreter, whose bf16 tl.dot is
-unusable), GDN's causal decay matrix and KDA's per-channel decay tensor of a diagonal sub-chunk block."""
+unusable) and GDN's causal decay matrix."""
 from __future__ import annotations
 
 import triton
@@ -62,24 +62,6 @@ def _gdn_decay(G, STRICT: tl.constexpr, BT: tl.constexpr):
     else:
         msk = o[:, None] >= o[None, :]
     return tl.where(msk, tl.exp(tl.where(msk, G[:, None] - G[None, :], 0.)), 0.)
-
-
-@triton.jit
-def _kda_diag_decay(G, BC: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
-    """X[i, j, c] = exp(G_ic - G_jc) for i >= j and exp(G_jc - G_ic) for i < j, i.e. exp(-|G_ic - G_jc|) as G
-    does not increase along a chunk: the per-channel decays of one BC x BC diagonal sub-chunk block from the
-    cumulative log-decays G of its rows, G [BC, BKd] -> X [BC, BC, BKd], or with CHANNELS_FIRST G [BKd, BC] ->
-    X [BKd, BC, BC] (X[c, i, j]). Every exponent is <= 0, and X is symmetric in i and j, so one tensor serves
-    the products in their row role (j < i) and in their column role (i > j)."""
-    o = tl.arange(0, BC)
-    lower = o[:, None] >= o[None, :]
-    if CHANNELS_FIRST:
-        lower = lower[None, :, :]
-        d = G[:, :, None] - G[:, None, :]
-    else:
-        lower = lower[:, :, None]
-        d = G[:, None, :] - G[None, :, :]
-    return tl.exp(tl.where(lower, d, -d))
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _kda_diag_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -24,136 +24,160 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 
 @triton.jit
-def _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, I: tl.constexpr, W: tl.constexpr,
-                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """KDA: the off-diagonal columns j < r0 = t0 + I * BC (earlier sub-chunks) of rows [r0, r0 + BC) of M and
-    P: per key block one tl.dot of x_i exp(G_i - G_r0) and k_j exp(G_r0 - G_j) (both exponents <= 0). Only
-    the chunk's first W >= I * BC rows j (a power of two) are loaded and exponentiated."""
-    oc = tl.arange(0, BC)
-    lw = tl.arange(0, W)
-    r0 = t0 + I * BC
-    ri = r0 + oc
-    rj = t0 + lw
-    imask = (ri < T)[:, None]
-    jmask = (rj < T)[:, None]
-    before = (lw < I * BC)[:, None]
-    accm = tl.zeros([BC, W], dtype=tl.float32)
-    accp = tl.zeros([BC, W], dtype=tl.float32)
-    for kk in range(0, K, BK):
-        ck = kk + tl.arange(0, BK)
-        g_r = tl.load(Gb + r0 * K + ck)
-        G_j = tl.load(Gb + rj[:, None] * K + ck[None, :])
-        k_j = tl.load(kb + rj[:, None] * KS + ck[None, :], mask=jmask, other=0.).to(tl.float32)
-        k_r = tl.trans(tl.where(before, k_j * tl.exp(tl.where(before, g_r[None, :] - G_j, 0.)), 0.))
-        e_i = tl.exp(tl.load(Gb + ri[:, None] * K + ck[None, :]) - g_r[None, :])
-        k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
-        accm += _dot(k_i * e_i, k_r, PREC)
-        accp += _dot(q_i * e_i, k_r, PREC)
-    cols = (lw < I * BC)[None, :]
-    first = (oc * 0 + iq == 0)[:, None]
-    tl.store(mo + (I * BC + oc[:, None]) * BT + lw[None, :], accm, mask=cols & first)
-    tl.store(po + (I * BC + oc[:, None]) * BT + lw[None, :], accp, mask=cols)
+def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     DR: tl.constexpr, BH: tl.constexpr):
+    """KDA: row i of the diagonal BC x BC block of M (x = k, j < i) and of P for query head iq (x = q, j <= i),
+    for BH kv heads: M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for the j of i's group of DR rows (DR = BC,
+    or BC / 2 with the pairs across the two halves left to _kda_intra) up to i (exponents <= 0), zeros right of
+    i; M is stored by the iq = 0 program. One program per (padded row i, query head of the group, batch and block
+    of BH kv heads): elementwise products over the whole key dimension and sums, exact in fp32 on every path, one
+    exp per channel and pair; no tl.dot (16 x 16 blocks cost more in layout conversions than in products)."""
+    i, iq = tl.program_id(0), tl.program_id(1)
+    i_bhb = tl.program_id(2)
+    HB = tl.cdiv(H, BH)
+    i_b = (i_bhb // HB).to(tl.int64)
+    h = (i_bhb % HB) * BH + tl.arange(0, BH)
+    hmask = (h < H)[:, None]
+    Hq = H * NG
+    s0 = (i // BC) * BC
+    r0 = (i // DR) * DR
+    ck = tl.arange(0, K)[None, :]
+    oc = tl.arange(0, BC)[None, :]
+    Gb = Gc + (i_b * H + h[:, None]) * Tp * K + ck
+    kb = k + (i_b * T * H + h[:, None]) * K + ck
+    inside = hmask & ((ck * 0 + i) < T)
+    G_i = tl.load(Gb + i * K, mask=hmask, other=0.)
+    x_q = tl.load(q + ((i_b * T + i) * Hq + h[:, None] * NG + iq) * K + ck, mask=inside, other=0.).to(tl.float32)
+    x_k = tl.load(kb + i * H * K, mask=inside, other=0.).to(tl.float32)
+    m_row = tl.zeros([BH, BC], dtype=tl.float32)
+    p_row = tl.zeros([BH, BC], dtype=tl.float32)
+    for j in range(r0, i + 1):
+        k_j = tl.load(kb + j * H * K, mask=hmask & ((ck * 0 + j) < T), other=0.).to(tl.float32)
+        kg = k_j * tl.exp(G_i - tl.load(Gb + j * K, mask=hmask, other=0.))
+        at_j = oc == j - s0
+        p_row = tl.where(at_j, tl.sum(x_q * kg, 1)[:, None], p_row)
+        m_row = tl.where(at_j & (j < i), tl.sum(x_k * kg, 1)[:, None], m_row)
+    mine = hmask & (oc >= r0 - s0)     # the pairs across the halves (DR < BC) are _kda_intra's
+    first = (oc * 0 + iq) == 0
+    tl.store(M + ((i_b * H + h[:, None]) * Tp + i) * BT + (s0 % BT) + oc, m_row, mask=mine & first)
+    tl.store(P + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * BT + (s0 % BT) + oc, p_row, mask=mine)
 
 
 @triton.jit
-def _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, I: tl.constexpr, K: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr, DBK: tl.constexpr):
-    """KDA: the BC x BC diagonal block of sub-chunk I (rows and columns [r0, r0 + BC), r0 = t0 + I * BC) of M
-    (j < i) and P (j <= i), and zeros right of it in rows [r0, r0 + BC). The block is taken as two halves a
-    (its first HB = BC / 2 rows) and b: the pairs within a half elementwise, as [DBK, HB, HB] terms
-    x_ic k_jc exp(-|G_ic - G_jc|) reduced over the channels c (which lie within each thread); the pairs
-    (i in b, j in a) without per-pair exps, x_i exp(G_i - G_m) times k_j exp(G_m - G_j) about the first row m
-    of b (both exponents <= 0): 9 / 16 of the exps of the whole block taken elementwise."""
-    HB: tl.constexpr = BC // 2
-    oh = tl.arange(0, HB)
-    r0 = t0 + I * BC
-    ra = r0 + oh
-    rb = ra + HB
-    amask = (ra < T)[None, :]
-    bmask = (rb < T)[None, :]
-    acc_aa_m = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_aa_p = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_bb_m = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_bb_p = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_ba_m = tl.zeros([HB, HB], dtype=tl.float32)
-    acc_ba_p = tl.zeros([HB, HB], dtype=tl.float32)
-    for kk in range(0, K, DBK):
-        cd = (kk + tl.arange(0, DBK))[:, None]
-        g_m = tl.load(Gb + (r0 + HB) * K + cd)
-        # half a: rows (and columns) ra, channels first
-        G_t = tl.load(Gb + ra[None, :] * K + cd)
-        k_t = tl.load(kb + ra[None, :] * KS + cd, mask=amask, other=0.).to(tl.float32)
-        q_t = tl.load(qb + ra[None, :] * QS + cd, mask=amask, other=0.).to(tl.float32)
-        kx = k_t[:, None, :] * _kda_diag_decay(G_t, HB, True)     # k_jc exp(-|G_ic - G_jc|)
-        acc_aa_m += tl.sum(k_t[:, :, None] * kx, 0)
-        acc_aa_p += tl.sum(q_t[:, :, None] * kx, 0)
-        k_m = k_t * tl.exp(g_m - G_t)                             # k_jc exp(G_mc - G_jc), j in a
-        # half b
-        G_t = tl.load(Gb + rb[None, :] * K + cd)
-        k_t = tl.load(kb + rb[None, :] * KS + cd, mask=bmask, other=0.).to(tl.float32)
-        q_t = tl.load(qb + rb[None, :] * QS + cd, mask=bmask, other=0.).to(tl.float32)
-        kx = k_t[:, None, :] * _kda_diag_decay(G_t, HB, True)
-        acc_bb_m += tl.sum(k_t[:, :, None] * kx, 0)
-        acc_bb_p += tl.sum(q_t[:, :, None] * kx, 0)
-        e_m = tl.exp(G_t - g_m)                                   # exp(G_ic - G_mc), i in b
-        k_m = k_m[:, None, :]
-        acc_ba_m += tl.sum((k_t * e_m)[:, :, None] * k_m, 0)
-        acc_ba_p += tl.sum((q_t * e_m)[:, :, None] * k_m, 0)
-    # within a half, the upper part (j > i, decays exp(G_j - G_i)) is not in M or P
-    strict = oh[:, None] > oh[None, :]
-    diag = oh[:, None] >= oh[None, :]
-    ia = (I * BC + oh[:, None]) * BT
-    ib = ia + HB * BT
-    ja = (I * BC + oh)[None, :]
-    jb = ja + HB
-    first = (oh * 0 + iq == 0)[:, None]
-    tl.store(mo + ia + ja, tl.where(strict, acc_aa_m, 0.), mask=first)
-    tl.store(mo + ib + jb, tl.where(strict, acc_bb_m, 0.), mask=first)
-    tl.store(mo + ib + ja, acc_ba_m, mask=first)
-    tl.store(po + ia + ja, tl.where(diag, acc_aa_p, 0.))
-    tl.store(po + ib + jb, tl.where(diag, acc_bb_p, 0.))
-    tl.store(po + ib + ja, acc_ba_p)
-    # zeros: rows a at columns >= r0 + HB, rows b at columns >= r0 + BC
-    oc = tl.arange(0, BC)
-    la = tl.arange(0, BT)
-    upper = la[None, :] >= I * BC + HB + tl.where(oc >= HB, HB, 0)[:, None]
-    zeros = tl.zeros([BC, BT], dtype=tl.float32)
-    tl.store(mo + (I * BC + oc[:, None]) * BT + la[None, :], zeros, mask=upper & (oc * 0 + iq == 0)[:, None])
-    tl.store(po + (I * BC + oc[:, None]) * BT + la[None, :], zeros, mask=upper)
+def _kda_decayed_columns(kb, Gb, g_r, c0, T, ck, KS, K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """KDA: k_j exp(G_r - G_j) for the BC rows j = c0 + [0, BC) of an earlier sub-chunk at channels ck (g_r: the
+    reference row's G there, [1, BK]; exponents <= 0), transposed to [BK, BC]: a block product's right factor."""
+    rj = c0 + tl.arange(0, BC)
+    k_j = tl.load(kb + rj[:, None] * KS + ck[None, :], mask=(rj < T)[:, None], other=0.).to(tl.float32)
+    return _to_op(tl.trans(k_j * tl.exp(g_r - tl.load(Gb + rj[:, None] * K + ck[None, :]))), PREC)
+
+
+@triton.jit
+def _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K: tl.constexpr, BC: tl.constexpr, DR: tl.constexpr,
+                          PREC: tl.constexpr):
+    """KDA, one key block (channels ck) of the pairs of the diagonal block of rows r0 + [0, BC) (G_i, k_i, q_i: its
+    [BC, BK] tiles) with j in its first DR rows and i in the rest, decayed through the middle row m = r0 + DR as
+    exp(G_i - G_m) exp(G_m - G_j) (both exponents <= 0): M's and P's terms, [BC, BC] each, zero outside those
+    pairs."""
+    second_half = (tl.arange(0, BC) >= DR)[:, None]
+    g_m = tl.load(Gb + (r0 + DR) * K + ck)[None, :]
+    e_i = tl.where(second_half, tl.exp(tl.where(second_half, G_i - g_m, 0.)), 0.)
+    col = _to_op(tl.trans(tl.where(second_half, 0., k_i * tl.exp(tl.where(second_half, 0., g_m - G_i)))), PREC)
+    return _dot(_to_op(k_i * e_i, PREC), col, PREC), _dot(_to_op(q_i * e_i, PREC), col, PREC)
 
 
 @triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, DBK: tl.constexpr, PREC: tl.constexpr):
-    """KDA: the chunk's rows of M (x = k, j < i) and of P for query head iq of the group (x = q, j <= i),
-    M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), zeros above; M is stored by the iq = 0 program.
-    One program per (chunk, query head of the group, kv head), over its NS = BT / BC = 4 sub-chunks in turn
-    (unrolled; K in blocks inside each part, so that the tiles of one part are dead during the next):
-      off-diagonal (sub-chunks 1..3): columns of the earlier sub-chunks, one tl.dot per key block
-        against the sub-chunk's first row (_kda_offdiag_rows; only the first 16, 32, 64 columns of the chunk
-        are exponentiated and multiplied, and sub-chunk 0 has nothing to do);
-      diagonal (every sub-chunk): the BC x BC block, elementwise in two halves (_kda_diag_rows)."""
+                      BK: tl.constexpr, DR: tl.constexpr, PREC: tl.constexpr):
+    """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
+    (x = q, j <= i) left of the diagonal block, M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), and zeros right of
+    it; with DR = BC / 2 also the diagonal block's pairs from its first into its second half (decayed through the
+    middle row m: exp(G_i - G_m) exp(G_m - G_j)), the rest of the diagonal block being _kda_diag_kernel's; M is
+    stored by the iq = 0 program. One program per (chunk and sub-chunk I, query head of the group, kv head), K in
+    blocks of BK: the row factors x_i exp(G_i - G_r0) once per key block, then per earlier sub-chunk J < I one
+    tl.dot each against k_j exp(G_r0 - G_j) (r0 = the sub-chunk's first row lies between every j and i: both
+    exponents <= 0)."""
     tl.static_assert(BT == 4 * BC)
-    i_t, iq = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(DR == BC or 2 * DR == BC)
+    NS: tl.constexpr = BT // BC
+    i_s, iq = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    i_t, I = i_s // NS, i_s % NS
     Hq = H * NG
     t0 = i_t * BT
+    r0 = t0 + I * BC
     Gb = Gc + i_bh * Tp * K
     kb = k + (i_b * T * H + i_h) * K
     qb = q + (i_b * T * Hq + i_h * NG + iq) * K
-    mo = M + (i_bh * Tp + t0) * BT
-    po = P + ((i_b * Hq + i_h * NG + iq) * Tp + t0) * BT
+    mo = M + (i_bh * Tp + r0) * BT
+    po = P + ((i_b * Hq + i_h * NG + iq) * Tp + r0) * BT
     QS = Hq * K
     KS = H * K
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 0, K, BT, BC, DBK)
-    _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 1, BC, K, BT, BC, BK, PREC)
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 1, K, BT, BC, DBK)
-    _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 2, 2 * BC, K, BT, BC, BK, PREC)
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 2, K, BT, BC, DBK)
-    _kda_offdiag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 3, BT, K, BT, BC, BK, PREC)
-    _kda_diag_rows(qb, kb, Gb, mo, po, iq, t0, T, QS, KS, 3, K, BT, BC, DBK)
+    oc = tl.arange(0, BC)
+    ri = r0 + oc
+    imask = (ri < T)[:, None]
+    blk = oc[:, None] * BT + oc[None, :]
+    first = (oc * 0 + iq == 0)[:, None]
+    mh = tl.zeros([BC, BC], dtype=tl.float32)
+    ph = tl.zeros([BC, BC], dtype=tl.float32)
+    if I > 0:
+        m0 = tl.zeros([BC, BC], dtype=tl.float32)
+        p0 = tl.zeros([BC, BC], dtype=tl.float32)
+        m1 = tl.zeros([BC, BC], dtype=tl.float32)
+        p1 = tl.zeros([BC, BC], dtype=tl.float32)
+        m2 = tl.zeros([BC, BC], dtype=tl.float32)
+        p2 = tl.zeros([BC, BC], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            ck = kk + tl.arange(0, BK)
+            G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+            k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            if DR < BC:
+                dm, dp = _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K, BC, DR, PREC)
+                mh += dm
+                ph += dp
+            g_r = tl.load(Gb + r0 * K + ck)[None, :]
+            e_i = tl.exp(G_i - g_r)
+            kx = _to_op(k_i * e_i, PREC)
+            qx = _to_op(q_i * e_i, PREC)
+            col = _kda_decayed_columns(kb, Gb, g_r, t0, T, ck, KS, K, BC, PREC)
+            m0 += _dot(kx, col, PREC)
+            p0 += _dot(qx, col, PREC)
+            if I > 1:
+                col = _kda_decayed_columns(kb, Gb, g_r, t0 + BC, T, ck, KS, K, BC, PREC)
+                m1 += _dot(kx, col, PREC)
+                p1 += _dot(qx, col, PREC)
+            if I > 2:
+                col = _kda_decayed_columns(kb, Gb, g_r, t0 + 2 * BC, T, ck, KS, K, BC, PREC)
+                m2 += _dot(kx, col, PREC)
+                p2 += _dot(qx, col, PREC)
+        tl.store(mo + blk, m0, mask=first)
+        tl.store(po + blk, p0)
+        if I > 1:
+            tl.store(mo + BC + blk, m1, mask=first)
+            tl.store(po + BC + blk, p1)
+        if I > 2:
+            tl.store(mo + 2 * BC + blk, m2, mask=first)
+            tl.store(po + 2 * BC + blk, p2)
+    elif DR < BC:
+        for kk in range(0, K, BK):
+            ck = kk + tl.arange(0, BK)
+            G_i = tl.load(Gb + ri[:, None] * K + ck[None, :])
+            k_i = tl.load(kb + ri[:, None] * KS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            q_i = tl.load(qb + ri[:, None] * QS + ck[None, :], mask=imask, other=0.).to(tl.float32)
+            dm, dp = _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K, BC, DR, PREC)
+            mh += dm
+            ph += dp
+    if DR < BC:
+        quadrant = (oc >= DR)[:, None] & (oc < DR)[None, :]
+        tl.store(mo + I * BC + blk, mh, mask=quadrant & first)
+        tl.store(po + I * BC + blk, ph, mask=quadrant)
+    la = tl.arange(0, BT)
+    upper = (la[None, :] >= (I + 1) * BC) & (oc >= 0)[:, None]
+    zeros = tl.zeros([BC, BT], dtype=tl.float32)
+    tl.store(mo + oc[:, None] * BT + la[None, :], zeros, mask=upper & first)
+    tl.store(po + oc[:, None] * BT + la[None, :], zeros, mask=upper)
 
 
 @triton.jit
@@ -246,6 +270,18 @@ def _wy_store(out, x, i_b, i_h, i_bh, T, Tp, H, t0, cols, u00, u10, u11, u20, u2
     x3 = _in_block(x, i_b, i_h, T, H, t0 + 3 * BC, cols, D, BC, PREC)
     _store_lower_product(out + (i_bh * Tp + t0 + oc[:, None]) * D + cols[None, :], BC * D,
                          u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, x0, x1, x2, x3, PREC)
+
+
+@triton.jit
+def _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, r0, cols, K: tl.constexpr, BC: tl.constexpr,
+                 PREC: tl.constexpr):
+    """KDA, rows [r0, r0 + BC) and channels cols of a chunk ending with the decays gl (G of its last row): stores
+    Kd = k exp(G_last - G) and returns exp(G) k as a product operand (W's right factor), from one load of k and G."""
+    r = r0 + tl.arange(0, BC)
+    G = tl.load(Gc + (i_bh * Tp + r[:, None]) * K + cols[None, :])
+    k_r = _in_block(k, i_b, i_h, T, H, r0, cols, K, BC, "ieee")
+    _store_cast(Kd + (i_bh * Tp + r[:, None]) * K + cols[None, :], k_r * tl.exp(gl[None, :] - G), PREC)
+    return _to_op(tl.exp(G) * k_r, PREC)
 
 
 @triton.jit
@@ -369,25 +405,16 @@ def _solve_wy_kernel(k, v, beta, Gc, M, Tinv, W, U, Kd, T, Tp, H, K: tl.constexp
                   u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, V, BC, PREC)
     if PER_CHANNEL:
         # W = (T diag(beta)) (exp(G) k), and Kd = k exp(G_last - G), the keys as they enter the state at the end
-        # of the chunk (for the state passes)
-        ra = t0 + tl.arange(0, BT)
+        # of the chunk (for the state passes): both from one load of each row block's keys and decays
         for i_k in range(0, K, BKW):
             ckb = i_k + tl.arange(0, BKW)
-            kg0 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0, ckb, K, BC, "ieee"), PREC)
-            kg1 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + BC + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0 + BC, ckb, K, BC, "ieee"), PREC)
-            kg2 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + 2 * BC + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0 + 2 * BC, ckb, K, BC, "ieee"), PREC)
-            kg3 = _to_op(tl.exp(tl.load(Gc + (i_bh * Tp + t0 + 3 * BC + oc[:, None]) * K + ckb[None, :]))
-                         * _in_block(k, i_b, i_h, T, H, t0 + 3 * BC, ckb, K, BC, "ieee"), PREC)
+            gl = tl.load(Gc + (i_bh * Tp + t0 + BT - 1) * K + ckb)
+            kg0 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0, ckb, K, BC, PREC)
+            kg1 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0 + BC, ckb, K, BC, PREC)
+            kg2 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0 + 2 * BC, ckb, K, BC, PREC)
+            kg3 = _kda_wy_keys(k, Gc, Kd, gl, i_b, i_h, i_bh, T, Tp, H, t0 + 3 * BC, ckb, K, BC, PREC)
             _store_lower_product(W + (i_bh * Tp + t0 + oc[:, None]) * K + ckb[None, :], BC * K,
                                  u00, u10, u11, u20, u21, u22, u30, u31, u32, u33, kg0, kg1, kg2, kg3, PREC)
-            gl = tl.load(Gc + (i_bh * Tp + t0 + BT - 1) * K + ckb)
-            k_a = tl.load(k + ((i_b * T + ra[:, None]) * H + i_h) * K + ckb[None, :], mask=(ra < T)[:, None],
-                          other=0.).to(tl.float32)
-            G_a = tl.load(Gc + (i_bh * Tp + ra[:, None]) * K + ckb[None, :])
-            _store_cast(Kd + (i_bh * Tp + ra[:, None]) * K + ckb[None, :], k_a * tl.exp(gl[None, :] - G_a), PREC)
     else:
         # W = (T diag(beta exp(G))) k, T's operands formed after U's so that only one set is live at a time
         e0 = c0 * tl.exp(g0)[None, :]

@@ -191,10 +191,11 @@ class LaunchRecorder:
 def test_forward_kernels_run_once_and_inference_keeps_nothing(kind, monkeypatch):
     # with the default switches the backward runs no forward kernel; without autograd _solve_wy stores no T^-1
     launches = []
-    for name in ("_cumsum_kernel", "_kda_intra_kernel", "_solve_wy_kernel", "_state_fwd_kernel"):
+    for name in ("_cumsum_kernel", "_kda_diag_kernel", "_kda_intra_kernel", "_solve_wy_kernel", "_state_fwd_kernel"):
         monkeypatch.setattr(chunk_module, name, LaunchRecorder(getattr(chunk_module, name), name, launches))
     inputs = make_inputs(kind, 1, 75, 1, 16, 16, h0=True, seed=12)
-    forward = [("_cumsum_kernel", None)] + ([("_kda_intra_kernel", None)] if kind == "kda" else [])
+    kda_intra = [("_kda_diag_kernel", None), ("_kda_intra_kernel", None)]
+    forward = [("_cumsum_kernel", None)] + (kda_intra if kind == "kda" else [])
     with torch.no_grad():
         OPS[kind][0](*inputs[:5], initial_state=inputs[5], output_final_state=True)
     assert launches == forward + [("_solve_wy_kernel", False), ("_state_fwd_kernel", None)]
@@ -365,8 +366,9 @@ def test_strong_decay_bf16_gpu(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_backward_repeatable_bf16_gpu(kind):
-    # Triton kernels without atomics must give bitwise-identical gradients on identical inputs. On the H200 with
+def test_forward_and_backward_repeatable_bf16_gpu(kind):
+    # Triton kernels without atomics must give bitwise-identical outputs and gradients on identical inputs (the
+    # forward's pipelined loops with several tl.dots, such as _kda_intra's, are checked too). On the H200 with
     # triton 3.6, _bwd_dqk at 2 pipelining stages gave a different dq in 7 of 29 runs of this case through the
     # backward that recomputes the forward (all 29 at 4 warps); 20 repeats catch a failure rate of that size with
     # probability > 0.99. Both backward paths run: autograd's (the forward keeps its intermediates) and the
@@ -381,9 +383,10 @@ def test_backward_repeatable_bf16_gpu(kind):
     for repeat in range(20):
         scribble = torch.full((16 << 20,), float(repeat), device="cuda")
         del scribble
-        runs = {"autograd": run_with_grads(OPS[kind][0], inputs, do, dht)[2],
+        o, state, grads = run_with_grads(OPS[kind][0], inputs, do, dht)
+        runs = {"autograd": [o, state, *grads],
                 "recompute": chunk_bwd(q, k, v, g, beta, 128 ** -0.5, s0, do, dht, kind == "kda")}
         for path, grads in runs.items():
             first.setdefault(path, grads)
             for i, (grad, grad0) in enumerate(zip(grads, first[path])):
-                assert torch.equal(grad, grad0), f"{path}: gradient {i} differs between repeat 0 and repeat {repeat}"
+                assert torch.equal(grad, grad0), f"{path}: result {i} differs between repeat 0 and repeat {repeat}"
