@@ -124,8 +124,8 @@ def try_bench(fn) -> tuple[float | None, str]:
         return None, f"refused: {type(error).__name__}: {message}"
 
 
-def fwd_bwd_memory_mb(step_forward, do) -> dict:
-    """Memory of one forward + backward, in MB beyond what was allocated before it: "held" = what the forward
+def fwd_bwd_memory_mib(step_forward, do) -> dict:
+    """Memory of one forward + backward, in MiB (2**20 bytes) beyond what was allocated before it: "held" = what the forward
     leaves allocated for the backward (autograd's saved intermediates plus the output o), "peak" = the peak over
     forward and backward."""
     torch.cuda.synchronize()
@@ -138,7 +138,7 @@ def fwd_bwd_memory_mb(step_forward, do) -> dict:
     del o
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return {"held_mb": round(held / 2**20, 1), "peak_mb": round(peak / 2**20, 1)}
+    return {"held_mib": round(held / 2**20, 1), "peak_mib": round(peak / 2**20, 1)}
 
 
 def chunk_rows(ours, fla, rows: list[Row], kinds=("gdn", "kda")) -> None:
@@ -180,9 +180,9 @@ def chunk_rows(ours, fla, rows: list[Row], kinds=("gdn", "kda")) -> None:
             else:
                 for t in (q, k, v, g, beta):
                     t.grad = None  # freed before the baseline, so that "held" starts from the inputs alone
-                memory = fwd_bwd_memory_mb(forward, do)
+                memory = fwd_bwd_memory_mib(forward, do)
                 row.extra[who] = memory
-                notes.append(f"{who} held {memory['held_mb']:.0f} MB, peak {memory['peak_mb']:.0f} MB")
+                notes.append(f"{who} held {memory['held_mib']:.0f} MiB, peak {memory['peak_mib']:.0f} MiB")
         row.note = "; ".join(notes)
         rows.append(row)
         print_row(row)

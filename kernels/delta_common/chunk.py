@@ -125,8 +125,8 @@ KDA_KEEP_INTRA_FOR_BACKWARD = True
 # GDN 1284, KDA 1536 bytes (B=1 T=16384 H=32: 673 MB and 805 MB per layer); fp32 inputs keep W, Kd, Hs, V' in fp32
 # (twice the bytes). The recompute allocated the same buffers in the backward, so a single layer's peak stays; what
 # grows is the memory held across layers between their forward and backward. Measured (H200, bf16, B=1 T=16384
-# H=32 K=V=128, one layer, benchmarks/linear_kernels.py): KDA fwd+bwd 8.93 ms holding 1408 MB from the forward to
-# the backward (output included), 9.90 ms holding 640 MB with False (fla 0.6.0: 9.93 ms, 512 MB); GDN holds 770 MB.
+# H=32 K=V=128, one layer, benchmarks/linear_kernels.py): KDA fwd+bwd 8.93 ms holding 1408 MiB from the forward to
+# the backward (output included), 9.90 ms holding 640 MiB with False (fla 0.6.0: 9.93 ms, 512 MiB); GDN holds 770 MiB.
 KEEP_FORWARD_FOR_BACKWARD = True
 # with KEEP_FORWARD_FOR_BACKWARD: False keeps U (2 V bytes) in place of Hs and V' (the largest, 2 K V / BT + 2 V) and
 # re-runs _state_fwd in the backward: GDN 772, KDA 1024 bytes per token and head at K = V = 128 (405 MB, 537 MB).
