@@ -9,7 +9,7 @@ inside the chunk (fp32), and the decayed products (scalar decay: E_ij = exp(G_i 
     P_ij = sum_c q_ic k_jc E_ijc   (j <= i)
     T = (I + A)^-1,  W = T (beta exp(G) k),  U = T (beta v)
     V' = U - W S
-    O = scale [ (q exp(G)) S + P V' ]
+    O = scale [ (q exp(G)) S + P V' ]     (KDA: QG S + scale P V', with QG = scale q exp(G))
     S <- exp(G_last) S + (k exp(G_last - G))^T V'
 Only differences G_i - G_j with j <= i (and G_last - G_i) are ever exponentiated. For KDA the
 per-channel products are formed per sub-chunk of BC rows against a reference row of G between i and j
@@ -22,16 +22,18 @@ exp per row and channel per level, the pair sums as masked tl.dots.
 
 Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query heads, NS = BT / BC):
   forward:  _cumsum [NT, bh] -> (KDA) _kda_diag [Tp, NG, B * H/KDA_DIAG_BH] (one program per row and block of
-            kv heads: the pairs within its group of KDA_DIAG_ROWS rows, no tl.dot) and _kda_intra [NT * NS, NG, bh]
-            (one program per sub-chunk: the rest of its rows of M and P, sharing the exps)
+            kv heads: the pairs within its group of KDA_DIAG_ROWS rows, no tl.dot, and the row's decayed queries
+            QG = scale q exp(G) [B, Hq, Tp, K]) and _kda_intra [NT * NS, NG, bh] (one program per sub-chunk: the
+            rest of its rows of M and P, sharing the exps)
             -> _solve_wy [NT, bh] (T, W, U; KDA also k exp(G_last - G))
-            -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq]
-  backward: the forward intermediates it needs: G (KDA also M, P), T^-1, W (KDA also Kd), the chunk states Hs
+            -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq] (KDA reads QG rather than
+            q and G: no [BT, K] exps once per value block)
+  backward: the forward intermediates it needs: G (KDA also M, P, QG), T^-1, W (KDA also Kd), the chunk states Hs
             and V'. Under autograd the forward keeps them (stores T^-1: STORE_T) and the backward runs none of the
             forward kernels (KEEP_FORWARD_FOR_BACKWARD; KEEP_CHUNK_STATES_FOR_BACKWARD off keeps U instead of Hs, V'
-            and re-runs _state_fwd; KDA_KEEP_INTRA_FOR_BACKWARD for G, M, P); with the switches off it recomputes
-            them (_fwd_core runs each forward kernel whose outputs were not kept). Inference stores none of them
-            beyond the output's needs. Then _dv_local [V/BV, NT, bh] (KDA: also QG = scale q exp(G) [B, Hq, Tp, K])
+            and re-runs _state_fwd; KDA_KEEP_INTRA_FOR_BACKWARD for G, M, P, QG); with the switches off it
+            recomputes them (_fwd_core runs each forward kernel whose outputs were not kept). Inference stores none
+            of them beyond the output's needs. Then _dv_local [V/BV, NT, bh]
             -> _state_bwd [V/STATE_BWD_BV, bh] (reverse over chunks; reads KDA's decayed products Kd and QG, so its
             sequential loop takes no per-channel exps) -> _bwd_dqk [NT, bh] -> _bwd_wy [NT, bh] -> (KDA)
             _kda_intra_bwd [NS * K/BK, NT, bh] (one program per sub-chunk and key block, launched once per query
@@ -52,7 +54,7 @@ which makes them exact no-ops.
 Precision (PREC of the products; _precisions):
   fp32 inputs: every intermediate fp32, exact ("ieee") products.
   bf16 inputs with LOW_PRECISION_INTERMEDIATES (default): the buffers in BF16_BUFFERS (W, U, Kd, the chunk
-    states Hs, V', and dHs, dV', KDA's QG) are stored in bf16 and the kernels in BF16_DOT_KERNELS feed their products
+    states Hs, V', KDA's QG, and dHs, dV') are stored in bf16 and the kernels in BF16_DOT_KERNELS feed their products
     bf16 operands with fp32 accumulation (PREC "bf16"), as flash-linear-attention does; the state carried
     across chunks, G, M, P, T's block merges, the gradient accumulators and the final state stay fp32, and
     KDA's decayed sub-chunk products and T's block merges use TF32 (PREC_HI). Under the CPU interpreter, whose
@@ -96,7 +98,9 @@ STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates (TF32 or exact produc
 # shared memory that _state_bwd's pipelined loads may take (all stages): sm_90's 232448 bytes per block less ~32 KB
 # that its products and layout conversions use besides (measured 16-29 KB, offline compiles, triton 3.9)
 STATE_BWD_STAGE_SMEM = 200 * 1024
-BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P)
+BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P; KDA's _output
+                    # reads QG and P: at 4 warps, 2 stages, bf16, K = V = 128, NG = 1, 80 registers, 161 when it loaded
+                    # q and G and took the exps per value block; GDN 168; offline sm_90 compile, triton 3.9)
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp
                     # and 2 stages, bf16 inputs, TF32 products: 176 registers, no spills; offline sm_90 compile,
                     # triton 3.9, session 8; _kda_diag at 4 heads, 2 warps: 80 registers)
@@ -115,8 +119,10 @@ KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kd
                     # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers;
                     # H200 KDA fwd+bwd B=1 T=16384: 8.93 ms at 32, 15.90 at 16, 9.19 at 64 with 8 warps)
 KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products (137 registers at 4 warps; 182 at 32, no spills)
-# KDA with autograd: keep G (chunk cumsums) and the sub-chunk products M, P from the forward for the backward
-# (fp32, [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64]) instead of recomputing them there
+# KDA with autograd: keep G (chunk cumsums), the sub-chunk products M, P and the decayed queries QG from the forward
+# for the backward (fp32 [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64], QG [B, Hq, Tp, K] in BF16_BUFFERS) instead
+# of recomputing them there: per (padded) token, bf16 inputs, K = 128, BT = 64, 768 bytes per kv head (G, M) and
+# 256 + 2 K = 512 per query head (P, QG), 1280 bytes with one query head per kv head (B=1 T=16384 H=32: 671 MB)
 KDA_KEEP_INTRA_FOR_BACKWARD = True
 # With autograd: keep the forward's WY factors T^-1 (fp32, as stored with STORE_T), W and (KDA) Kd, and the chunk
 # states Hs with the pseudo-values V', for the backward, which then runs neither _solve_wy nor _state_fwd (GDN
@@ -125,8 +131,9 @@ KDA_KEEP_INTRA_FOR_BACKWARD = True
 # GDN 1284, KDA 1536 bytes (B=1 T=16384 H=32: 673 MB and 805 MB per layer); fp32 inputs keep W, Kd, Hs, V' in fp32
 # (twice the bytes). The recompute allocated the same buffers in the backward, so a single layer's peak stays; what
 # grows is the memory held across layers between their forward and backward. Measured (H200, bf16, B=1 T=16384
-# H=32 K=V=128, one layer, benchmarks/linear_kernels.py): KDA fwd+bwd 8.93 ms holding 1408 MiB from the forward to
-# the backward (output included), 9.90 ms holding 640 MiB with False (fla 0.6.0: 9.93 ms, 512 MiB); GDN holds 770 MiB.
+# H=32 K=V=128, one layer, benchmarks/linear_kernels.py): KDA fwd+bwd 8.24 ms holding 1536 MiB from the forward to
+# the backward (output and QG included; 1408 MiB before KDA kept QG), 9.90 ms holding 640 MiB with False (measured
+# before QG was kept; fla 0.6.0: 9.92 ms, 512 MiB); GDN holds 770 MiB.
 KEEP_FORWARD_FOR_BACKWARD = True
 # with KEEP_FORWARD_FOR_BACKWARD: False keeps U (2 V bytes) in place of Hs and V' (the largest, 2 K V / BT + 2 V) and
 # re-runs _state_fwd in the backward: GDN 772, KDA 1024 bytes per token and head at K = V = 128 (405 MB, 537 MB).
@@ -174,8 +181,8 @@ OUTPUT_FEW_WARPS_MIN_BV = 64
 # for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
 FP32_INPUT_DOT_PRECISION = "ieee"
 LOW_PRECISION_INPUT_DOT_PRECISION = "tf32"
-# bf16 inputs: keep the big intermediates (W, U, KDA's Kd, chunk states Hs, pseudo-values V', and in the backward
-# dHs, dV', KDA's QG) in bf16 and feed the products bf16 operands with fp32 accumulation, as flash-linear-attention
+# bf16 inputs: keep the big intermediates (W, U, KDA's Kd and QG, chunk states Hs, pseudo-values V', and in the
+# backward dHs, dV') in bf16 and feed the products bf16 operands with fp32 accumulation, as flash-linear-attention
 # does (half the bytes, bf16 tensor cores). The state carried across chunks, G, T's block merges, M, P, the gradient
 # accumulators and the final state stay fp32. False: the previous path (fp32 intermediates, TF32 products).
 LOW_PRECISION_INTERMEDIATES = True
@@ -212,7 +219,7 @@ def _output_kw(block_v):
 
 def _precisions(x):
     """(PREC, PREC_HI, intermediate dtype) for inputs like x. fp32: exact products, fp32 intermediates.
-    bf16 with LOW_PRECISION_INTERMEDIATES: bf16 tensor-core products and bf16 W, U, Kd, Hs, V', dHs, dV'
+    bf16 with LOW_PRECISION_INTERMEDIATES: bf16 tensor-core products and bf16 W, U, Kd, QG, Hs, V', dHs, dV'
     ("bf16emu" under the CPU interpreter, whose bf16 tl.dot is unusable: the same roundings, exact fp32 products).
     Otherwise (fp16, or the switch off): fp32 intermediates and TF32 products. PREC_HI (the T block merges and
     KDA's decayed sub-chunk products) is never bf16."""
@@ -227,7 +234,7 @@ def _kept_for_backward(per_channel):
     """Names of the forward intermediates that the autograd forward keeps for the backward (the KEEP switches)."""
     names = []
     if per_channel and KDA_KEEP_INTRA_FOR_BACKWARD:
-        names += ["Gc", "M", "P"]
+        names += ["Gc", "M", "P", "QG"]
     if KEEP_FORWARD_FOR_BACKWARD:
         if not per_channel:
             names.append("Gc")
@@ -236,11 +243,11 @@ def _kept_for_backward(per_channel):
     return tuple(names)
 
 
-def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
+def _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t, kept=None):
     """Everything up to the state pass. Returns a dict of intermediates. store_t: also store T^-1 (the backward
     needs it). kept: intermediates already computed by the forward (names of _kept_for_backward); the kernels
-    whose outputs are all there are skipped (the KDA sub-chunk kernel when G, M, P are kept, _solve_wy when W and
-    T^-1 are, _state_fwd when Hs and V' are)."""
+    whose outputs are all there are skipped (the KDA sub-chunk kernels when G, M, P, QG are kept, _solve_wy when W
+    and T^-1 are, _state_fwd when Hs and V' are)."""
     B, T, Hq, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     NG = Hq // H
@@ -261,22 +268,24 @@ def _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t, kept=None):
         return idt if buffer in BF16_BUFFERS else f32
 
     c = dict(p=p, dt=dt, low=low, NT=NT, Tp=Tp, BV=BV, prec_hi=prec_hi)
-    Gc, M, P = kept.get("Gc"), kept.get("M"), kept.get("P")
+    Gc, M, P, QG = kept.get("Gc"), kept.get("M"), kept.get("P"), kept.get("QG")
     if Gc is None:
         Gc = torch.empty(B, H, Tp, *((K,) if per_channel else ()), device=dev, dtype=f32)
         _cumsum_kernel[(NT, B * H)](g, Gc, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("cumsum"))
     if per_channel and M is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
+        QG = torch.empty(B, Hq, Tp, K, device=dev, dtype=dt("QG"))
         kw = _kw("kda_intra")
         if prec_hi == "ieee":
             kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
-        _kda_diag_kernel[(Tp, NG, B * triton.cdiv(H, KDA_DIAG_BH))](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                                   DR=KDA_DIAG_ROWS, BH=KDA_DIAG_BH,
-                                                                   **_kw("kda_diag"))
+        # QG is stored at the precision of its products (_output's, _state_bwd's)
+        _kda_diag_kernel[(Tp, NG, B * triton.cdiv(H, KDA_DIAG_BH))](q, k, Gc, M, P, QG, scale, T, Tp, H, NG, K=K,
+                                                                   BT=BT, BC=BC, DR=KDA_DIAG_ROWS, BH=KDA_DIAG_BH,
+                                                                   QG_PREC=p("output"), **_kw("kda_diag"))
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
                                                         BK=min(KDA_BK, K), DR=KDA_DIAG_ROWS, PREC=prec_hi, **kw)
-    c.update(Gc=Gc, M=M, P=P)
+    c.update(Gc=Gc, M=M, P=P, QG=QG)
     if "W" in kept:
         W, U, Tinv = kept["W"], kept.get("U"), kept["Tinv"]
         Kd = kept["Kd"] if per_channel else W
@@ -311,13 +320,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel, keep=()):
     for chunk_bwd. With keep empty (inference) nothing beyond the output's needs is stored (no T^-1)."""
     B, T, Hq, K = q.shape
     H, V = k.shape[2], v.shape[-1]
-    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t="Tinv" in keep)
+    c = _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t="Tinv" in keep)
     o = torch.empty(B, T, Hq, V, device=q.device, dtype=v.dtype)
     BV, NT = min(BLOCK_V_OUT, V), c["NT"]
-    _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], c["P"] if per_channel else c["Gc"], c["Hs"], c["Vp"], o,
-                                          scale, T, c["Tp"], NT, H, Hq // H, K=K, V=V, BT=CHUNK, BV=BV,
-                                          PER_CHANNEL=per_channel, PREC=c["p"]("output"),
-                                          **_output_kw(BV))
+    QG, P = (c["QG"], c["P"]) if per_channel else (q, c["Gc"])     # GDN reads neither
+    _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], QG, P, c["Hs"], c["Vp"], o, scale, T, c["Tp"], NT, H,
+                                          Hq // H, K=K, V=V, BT=CHUNK, BV=BV, PER_CHANNEL=per_channel,
+                                          PREC=c["p"]("output"), **_output_kw(BV))
     return o, c["hT"], {name: c[name] for name in keep}
 
 
@@ -328,20 +337,20 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept
     H, V = k.shape[2], v.shape[-1]
     NG = Hq // H
     BT, BC = CHUNK, SUB_CHUNK
-    c = _fwd_core(q, k, v, g, beta, initial_state, per_channel, store_t=True, kept=kept)
+    c = _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t=True, kept=kept)
     BV, NT, Tp = c["BV"], c["NT"], c["Tp"]
     dev, f32 = q.device, torch.float32
     Gc = c["Gc"]
     dVl = torch.empty(B, H, Tp, V, device=dev, dtype=f32)
     BVO = min(BLOCK_V_OUT, V)
-    QG = torch.empty(B, Hq, Tp, K, device=dev, dtype=c["dt"]("QG")) if per_channel else dVl
-    _dv_local_kernel[(V // BVO, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, QG, scale, T, Tp, H, NG,
-                                           K=K, V=V, BT=BT, BV=BVO, PER_CHANNEL=per_channel, PREC=c["p"]("dv_local"), **_kw("dv_local"))
+    _dv_local_kernel[(V // BVO, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, scale, T, Tp, H, NG,
+                                           K=K, V=V, BT=BT, BV=BVO, PER_CHANNEL=per_channel, PREC=c["p"]("dv_local"),
+                                           **_kw("dv_local"))
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=c["dt"]("dHs"))
     dVp = torch.empty(B, H, Tp, V, device=dev, dtype=c["dt"]("dVp"))
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32)
     BVS = min(STATE_BWD_BV if c["low"] else STATE_BWD_FP32_BV, V)
-    _state_bwd_kernel[(V // BVS, B * H)](q, QG, k, c["Kd"], Gc, c["W"], dVl, do, dHs, dVp,
+    _state_bwd_kernel[(V // BVS, B * H)](q, c["QG"] if per_channel else q, k, c["Kd"], Gc, c["W"], dVl, do, dHs, dVp,
                                          dhT if dhT is not None else dh0, dh0, scale, T, Tp, NT, H, K=K, V=V, BT=BT,
                                          BV=BVS, NG=NG, PER_CHANNEL=per_channel, HAS_DHT=dhT is not None,
                                          PREC=c["p"]("state_bwd"),

@@ -11,10 +11,10 @@ from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cas
 
 
 @triton.jit
-def _dv_local_kernel(q, k, Gc, P, do, dVl, QG, scale, T, Tp, H, NG, K: tl.constexpr, V: tl.constexpr,
+def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
-    """dV'_local = scale * sum over the group's query heads of P^T dO. KDA: the value block 0 programs also store
-    QG = scale q exp(G) [B, Hq, Tp, K] for _state_bwd, whose sequential loop then takes no per-channel exps."""
+    """dV'_local = scale * sum over the group's query heads of P^T dO (KDA: P from the forward's sub-chunk kernels;
+    GDN forms it from q, k and G)."""
     i_v, i_t = tl.program_id(0), tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -29,13 +29,6 @@ def _dv_local_kernel(q, k, Gc, P, do, dVl, QG, scale, T, Tp, H, NG, K: tl.conste
         G = tl.load(Gc + i_bh * Tp + rows)
         k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
         dec = _gdn_decay(G, False, BT)
-    elif i_v == 0:
-        eg = scale * tl.exp(tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :]))
-        for iq in range(NG):
-            i_hq = i_h * NG + iq
-            q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.)
-            qg = q_c.to(tl.float32) * eg
-            _store_cast(QG + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * K + ck[None, :], qg, PREC)
     for iq in range(NG):
         i_hq = i_h * NG + iq
         if PER_CHANNEL:
@@ -55,7 +48,7 @@ def _state_bwd_kernel(q, QG, k, Kd, Gc, W, dVl, do, dHs, dVp, dhT, dh0, scale, T
     """Reverse pass over chunks: dHs[c] = gradient dS' of the state leaving chunk c,
     dV' = dV'_local + (k exp(G_last - G)) dS', dS <- exp(G_last) dS' + scale (q exp(G))^T dO - W^T dV'.
     The loop exponentiates no [BT, K] tile: KDA reads both decayed products precomputed in parallel kernels
-    (Kd from _solve_wy, QG = scale q exp(G) from _dv_local); GDN, whose decays are per row, scales the rows of
+    (Kd from _solve_wy, QG = scale q exp(G) from _kda_diag); GDN, whose decays are per row, scales the rows of
     the [BT, BV] tiles instead (k dS' and dO), so that k and q go to the products as loaded. NG is a constexpr
     and the query-head loop unrolled: triton software-pipelines only innermost loops, so with grouped query
     heads a runtime loop would leave every load of the chunk loop synchronous."""

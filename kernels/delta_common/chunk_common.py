@@ -45,12 +45,12 @@ def _to_op(x, PREC: tl.constexpr):
 
 
 @triton.jit
-def _store_cast(ptr, x, PREC: tl.constexpr):
+def _store_cast(ptr, x, PREC: tl.constexpr, mask=None):
     """Stores x converted to the buffer's dtype (bf16 intermediates on the bf16 path, fp32 otherwise);
     "bf16emu" rounds to nearest first (the interpreter's conversion truncates)."""
     if PREC == "bf16emu":
         x = _round_bf16(x.to(tl.float32))
-    tl.store(ptr, x.to(ptr.dtype.element_ty))
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

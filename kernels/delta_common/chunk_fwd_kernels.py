@@ -24,14 +24,16 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 
 @triton.jit
-def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     DR: tl.constexpr, BH: tl.constexpr):
+def _kda_diag_kernel(q, k, Gc, M, P, QG, scale, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     DR: tl.constexpr, BH: tl.constexpr, QG_PREC: tl.constexpr):
     """KDA: row i of the diagonal BC x BC block of M (x = k, j < i) and of P for query head iq (x = q, j <= i),
     for BH kv heads: M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for the j of i's group of DR rows (DR = BC,
     or BC / 2 with the pairs across the two halves left to _kda_intra) up to i (exponents <= 0), zeros right of
-    i; M is stored by the iq = 0 program. One program per (padded row i, query head of the group, batch and block
-    of BH kv heads): elementwise products over the whole key dimension and sums, exact in fp32 on every path, one
-    exp per channel and pair; no tl.dot (16 x 16 blocks cost more in layout conversions than in products)."""
+    i; M is stored by the iq = 0 program. Also row i of QG = scale q exp(G) [B, Hq, Tp, K] (G_i <= 0), the decayed
+    queries of _output's and _state_bwd's products, stored at QG_PREC (_store_cast: bf16 on the bf16 path). One
+    program per (padded row i, query head of the group, batch and block of BH kv heads): elementwise products over
+    the whole key dimension and sums, exact in fp32 on every path, one exp per channel and pair; no tl.dot (16 x 16
+    blocks cost more in layout conversions than in products)."""
     i, iq = tl.program_id(0), tl.program_id(1)
     i_bhb = tl.program_id(2)
     HB = tl.cdiv(H, BH)
@@ -61,6 +63,8 @@ def _kda_diag_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.const
     first = (oc * 0 + iq) == 0
     tl.store(M + ((i_b * H + h[:, None]) * Tp + i) * BT + (s0 % BT) + oc, m_row, mask=mine & first)
     tl.store(P + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * BT + (s0 % BT) + oc, p_row, mask=mine)
+    _store_cast(QG + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * K + ck, scale * x_q * tl.exp(G_i), QG_PREC,
+                mask=hmask)
 
 
 @triton.jit
@@ -472,9 +476,11 @@ def _state_fwd_kernel(k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K: tl.const
 
 
 @triton.jit
-def _output_kernel(q, k, Gc, P, Hs, Vp, o_ptr, scale, T, Tp, NT, H, NG, K: tl.constexpr, V: tl.constexpr,
+def _output_kernel(q, k, Gc, QG, P, Hs, Vp, o_ptr, scale, T, Tp, NT, H, NG, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
-    """O = scale [ (q exp(G)) S + P V' ] for one (V block, chunk, batch * query head)."""
+    """O = scale [ (q exp(G)) S + P V' ] for one (V block, chunk, batch * query head). KDA reads its decayed
+    queries QG = scale q exp(G) and P from _kda_diag / _kda_intra (O = QG S + scale P V', no exps here); GDN forms
+    q exp(G) and P = (q k^T) o E from q, k and its scalar G."""
     i_v, i_t = tl.program_id(0), tl.program_id(1)
     i_bhq = tl.program_id(2).to(tl.int64)
     Hq = H * NG
@@ -486,19 +492,25 @@ def _output_kernel(q, k, Gc, P, Hs, Vp, o_ptr, scale, T, Tp, NT, H, NG, K: tl.co
     rmask = rows < T
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
-    q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
-    s = tl.load(Hs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :])
+    # each path loads its tiles in its own order: KDA's S and V' ahead of QG and P take 80 registers against 88
+    # with QG first (bf16, NG = 1, offline sm_90 compile, triton 3.9); GDN's order is the one it was measured with
     if PER_CHANNEL:
-        G = tl.load(Gc + (i_bh * Tp + rows[:, None]) * K + ck[None, :])
-        qe = q_c * tl.exp(G)
+        s = tl.load(Hs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :])
+        vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        qg = tl.load(QG + (i_bhq * Tp + rows[:, None]) * K + ck[None, :])
         p = tl.load(P + (i_bhq * Tp + rows[:, None]) * BT + o[None, :])
+        acc = _dot(qg, s, PREC) + scale * _dot(p, vp, PREC)
     else:
+        q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None],
+                      other=0.).to(tl.float32)
+        s = tl.load(Hs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :])
         G = tl.load(Gc + i_bh * Tp + rows)
         qe = q_c * tl.exp(G)[:, None]
-        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
+        k_c = tl.load(k + ((i_b * T + rows[:, None]) * H + i_h) * K + ck[None, :], mask=rmask[:, None],
+                      other=0.).to(tl.float32)
         p = _dot(q_c, tl.trans(k_c), PREC) * _gdn_decay(G, False, BT)
-    vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
-    acc = scale * (_dot(qe, s, PREC) + _dot(p, vp, PREC))
+        vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
+        acc = scale * (_dot(qe, s, PREC) + _dot(p, vp, PREC))
     if PREC == "bf16emu":
         acc = _round_bf16(acc)
     tl.store(o_ptr + ((i_b * T + rows[:, None]) * Hq + i_hq) * V + cv[None, :],
