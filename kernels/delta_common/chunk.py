@@ -101,6 +101,10 @@ STATE_BWD_STAGE_SMEM = 200 * 1024
 BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P; KDA's _output
                     # reads QG and P: at 4 warps, 2 stages, bf16, K = V = 128, NG = 1, 80 registers, 161 when it loaded
                     # q and G and took the exps per value block; GDN 168; offline sm_90 compile, triton 3.9)
+BLOCK_V_OUT_KDA = 128  # KDA's _output (its [BT, K] QG and [BT, BT] P then load once per chunk rather than once
+                       # per value block; 128 registers at 4 warps, no spills, offline sm_90, triton 3.9): H200, bf16,
+                       # KDA forward B=1 T=16384 H=32 (2026-11-30, session 9, sweeps of BLOCK_V_OUT on two kernel
+                       # versions) 2.066 -> 2.052 and 2.109 -> 2.093 ms
 KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp
                     # and 2 stages, bf16 inputs, TF32 products: 176 registers, no spills; offline sm_90 compile,
                     # triton 3.9, session 8; _kda_diag at 4 heads, 2 warps: 80 registers)
@@ -146,10 +150,11 @@ NUM_STAGES = 2
 # T=16384 H=32, H200; now with _kda_diag 0.29 + 0.59 ms at 16 diagonal rows): its [16, 16] blocks take one warp's mma
 # tile (2 warps: 2.51 vs 2.30 ms forward). Its loop holds several tl.dots, the pattern of the _bwd_dqk race below,
 # yet 2 stages passed the GPU tests in three calls (whole chunk suite twice, then the KDA set with the
-# repeatability test of forward and backward) and take the forward from 2.30 to 2.11 ms (session 8, H200). Exact
-# fp32 products: see KDA_INTRA_IEEE_WARPS. The other forward entries come from
-# `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at a time,
-# 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
+# repeatability test of forward and backward) and take the forward from 2.30 to 2.11 ms (session 8, H200); 3 stages
+# 2.066 -> 2.054 ms (session 9 sweep), and with BLOCK_V_OUT_KDA = 128 the KDA GPU test set, repeatability included,
+# passed (session 9, H200, triton 3.6). Exact fp32 products: see KDA_INTRA_IEEE_WARPS. The other forward entries
+# come from `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at
+# a time, 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
 # 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
 # (2.131 -> 2.000). kda_intra_bwd: 4 warps since its rewrite per sub-chunk (142 registers at 4 warps, 104 at 8,
 # spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms of kernel time at B=1 T=16384 H=32, now
@@ -171,8 +176,8 @@ WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kd
 # at 1 stage 0 of 29 at 8 and 4 warps, GDN and KDA (B=1 T=300 H=2 K=V=128 bf16, 2026-11-30), for +0.05 ms GDN and
 # +0.12 ms KDA fwd+bwd at B=1 T=16384 H=32. (fla 0.6.0 refuses its own kernel of this role, chunk_bwd_dqkwg, on
 # Hopper with triton 3.4 to 3.7.0 for "incorrect results"; tests/kernel_ops/test_chunk.py checks repeatability.)
-# _kda_intra is pipelined (2 stages) on its GPU test record: see WARPS' comment.
-STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 2}
+# _kda_intra is pipelined (3 stages) on its GPU test record: see WARPS' comment.
+STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3}
 # _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
 # an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
 # in session 3, and 4 warps passed the V >= 64 shapes).
@@ -322,7 +327,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel, keep=()):
     H, V = k.shape[2], v.shape[-1]
     c = _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t="Tinv" in keep)
     o = torch.empty(B, T, Hq, V, device=q.device, dtype=v.dtype)
-    BV, NT = min(BLOCK_V_OUT, V), c["NT"]
+    BV, NT = min(BLOCK_V_OUT_KDA if per_channel else BLOCK_V_OUT, V), c["NT"]
     QG, P = (c["QG"], c["P"]) if per_channel else (q, c["Gc"])     # GDN reads neither
     _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], QG, P, c["Hs"], c["Vp"], o, scale, T, c["Tp"], NT, H,
                                           Hq // H, K=K, V=V, BT=CHUNK, BV=BV, PER_CHANNEL=per_channel,
