@@ -215,8 +215,8 @@ def _state_bwd_kw(per_channel, NG, K, BT, BV, in_bytes, buf_bytes):
     return kw
 
 
-def _output_kw(block_v):
-    kw = _kw("output")
+def _output_kw(block_v, per_channel):
+    kw = _kw("output", per_channel)
     if block_v < OUTPUT_FEW_WARPS_MIN_BV:
         kw["num_warps"] = max(kw["num_warps"], 8)
     return kw
@@ -276,7 +276,7 @@ def _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t, kept
     Gc, M, P, QG = kept.get("Gc"), kept.get("M"), kept.get("P"), kept.get("QG")
     if Gc is None:
         Gc = torch.empty(B, H, Tp, *((K,) if per_channel else ()), device=dev, dtype=f32)
-        _cumsum_kernel[(NT, B * H)](g, Gc, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("cumsum"))
+        _cumsum_kernel[(NT, B * H)](g, Gc, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("cumsum", per_channel))
     if per_channel and M is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
@@ -315,7 +315,7 @@ def _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t, kept
     h0 = initial_state if initial_state is not None else hT
     _state_fwd_kernel[(V // BV, B * H)](k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K=K, V=V, BT=BT, BV=BV,
                                         PER_CHANNEL=per_channel, HAS_H0=initial_state is not None,
-                                        PREC=p("state_fwd"), **_kw("state_fwd"))
+                                        PREC=p("state_fwd"), **_kw("state_fwd", per_channel))
     c.update(Hs=Hs, Vp=Vp, hT=hT)
     return c
 
@@ -331,7 +331,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel, keep=()):
     QG, P = (c["QG"], c["P"]) if per_channel else (q, c["Gc"])     # GDN reads neither
     _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], QG, P, c["Hs"], c["Vp"], o, scale, T, c["Tp"], NT, H,
                                           Hq // H, K=K, V=V, BT=CHUNK, BV=BV, PER_CHANNEL=per_channel,
-                                          PREC=c["p"]("output"), **_output_kw(BV))
+                                          PREC=c["p"]("output"), **_output_kw(BV, per_channel))
     return o, c["hT"], {name: c[name] for name in keep}
 
 
@@ -350,7 +350,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept
     BVO = min(BLOCK_V_OUT, V)
     _dv_local_kernel[(V // BVO, NT, B * H)](q, k, Gc, c["P"] if per_channel else Gc, do, dVl, scale, T, Tp, H, NG,
                                            K=K, V=V, BT=BT, BV=BVO, PER_CHANNEL=per_channel, PREC=c["p"]("dv_local"),
-                                           **_kw("dv_local"))
+                                           **_kw("dv_local", per_channel))
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=c["dt"]("dHs"))
     dVp = torch.empty(B, H, Tp, V, device=dev, dtype=c["dt"]("dVp"))
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32)
@@ -368,13 +368,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept
     dP = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32) if per_channel else dG
     _bwd_dqk_kernel[(NT, B * H)](q, k, Gc, c["Hs"], dHs, c["Vp"], dVp, do, dq, dk, dW, dG, dP, scale, T, Tp, NT, H,
                                  NG, K=K, V=V, BT=BT, BV=BV, PER_CHANNEL=per_channel, GROUPED=NG > 1,
-                                 PREC=c["p"]("bwd_dqk"), **_kw("bwd_dqk"))
+                                 PREC=c["p"]("bwd_dqk"), **_kw("bwd_dqk", per_channel))
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
     dM = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if per_channel else dG
     _bwd_wy_kernel[(NT, B * H)](k, v, beta, Gc, c["M"] if per_channel else Gc, c["Tinv"], dW, dVp, dk, dv, dbeta,
                                 dG, dM, T, Tp, H, K=K, V=V, BT=BT, BV=BV, BK=min(BWD_WY_BK, K), PER_CHANNEL=per_channel,
-                                PREC=c["p"]("bwd_wy"), **_kw("bwd_wy"))
+                                PREC=c["p"]("bwd_wy"), **_kw("bwd_wy", per_channel))
     if per_channel:
         BKI = min(KDA_BWD_IEEE_BK if c["prec_hi"] == "ieee" else KDA_BWD_BK, K)
         for iq in range(NG):
@@ -382,7 +382,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept
                                                                       K=K, BT=BT, BC=BC, BK=BKI, WITH_M=iq == 0,
                                                                       PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
     dg = torch.empty(g.shape, device=dev, dtype=f32)
-    _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("rev_cumsum"))
+    _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel,
+                                    **_kw("rev_cumsum", per_channel))
     return dq, dk, dv, dg, dbeta, dh0
 
 

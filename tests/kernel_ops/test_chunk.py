@@ -173,18 +173,47 @@ def test_kept_forward_intermediates_give_the_recomputed_gradients(kind, h0, monk
 
 
 class LaunchRecorder:
-    """Stands in for a Triton kernel on the chunk module: records (name, STORE_T) for each launch."""
+    """Stands in for a Triton kernel on the chunk module: records (name, launch keyword `key`) for each launch."""
 
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
+    def __init__(self, kernel, name, log, key="STORE_T"):
+        self.kernel, self.name, self.log, self.key = kernel, name, log, key
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def record(*args, **kwargs):
-            self.log.append((self.name, kwargs.get("STORE_T")))
+            self.log.append((self.name, tuple(kwargs.get(k) for k in self.key) if isinstance(self.key, tuple)
+                             else kwargs.get(self.key)))
             return launch(*args, **kwargs)
         return record
+
+
+# the kernels that GDN and KDA share, by their WARPS / STAGES names
+SHARED_KERNELS = {"cumsum": "_cumsum_kernel", "solve_wy": "_solve_wy_kernel", "state_fwd": "_state_fwd_kernel",
+                  "output": "_output_kernel", "dv_local": "_dv_local_kernel", "state_bwd": "_state_bwd_kernel",
+                  "bwd_dqk": "_bwd_dqk_kernel", "bwd_wy": "_bwd_wy_kernel", "rev_cumsum": "_rev_cumsum_kernel"}
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_kda_launch_entries_set_every_shared_kernel_for_kda_only(kind, monkeypatch):
+    # WARPS / STAGES "<name>_kda" entries (the sweeps' handle) reach each shared kernel's launch for KDA, not GDN's
+    defaults = {short: chunk_module._kw(short) for short in SHARED_KERNELS}
+    launches = []
+    for short, name in SHARED_KERNELS.items():
+        monkeypatch.setitem(chunk_module.WARPS, short + "_kda", 2)
+        monkeypatch.setitem(chunk_module.STAGES, short + "_kda", 1)
+        monkeypatch.setattr(chunk_module, name, LaunchRecorder(getattr(chunk_module, name), name, launches,
+                                                               key=("num_warps", "num_stages")))
+    # V = 64: _output keeps its default warps (no few-warps guard, OUTPUT_FEW_WARPS_MIN_BV)
+    inputs = make_inputs(kind, 1, 20, 1, 16, 64, h0=True, seed=13)
+    gen = torch.Generator().manual_seed(4)
+    run_with_grads(OPS[kind][0], inputs, torch.randn(1, 20, 1, 64, generator=gen),
+                   torch.randn(1, 1, 16, 64, generator=gen))
+    launched = {name for name, _ in launches}
+    assert launched == set(SHARED_KERNELS.values())
+    for short, name in SHARED_KERNELS.items():
+        expected = (2, 1) if kind == "kda" else (defaults[short]["num_warps"], defaults[short]["num_stages"])
+        assert all(setting == expected for launched_name, setting in launches if launched_name == name), name
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
