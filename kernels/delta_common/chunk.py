@@ -98,9 +98,10 @@ STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates (TF32 or exact produc
 # shared memory that _state_bwd's pipelined loads may take (all stages): sm_90's 232448 bytes per block less ~32 KB
 # that its products and layout conversions use besides (measured 16-29 KB, offline compiles, triton 3.9)
 STATE_BWD_STAGE_SMEM = 200 * 1024
-BLOCK_V_OUT = 64    # value-dimension block of _output and _dv_local (each V block recomputes GDN's P; KDA's _output
-                    # reads QG and P: at 4 warps, 2 stages, bf16, K = V = 128, NG = 1, 80 registers, 161 when it loaded
-                    # q and G and took the exps per value block; GDN 168; offline sm_90 compile, triton 3.9)
+BLOCK_V_OUT = 64    # value-dimension block of GDN's _output and of _dv_local (each V block recomputes GDN's P; at 64,
+                    # KDA's _output, which reads QG and P, takes 82 registers at 4 warps, 2 stages, bf16, K = V = 128,
+                    # NG = 1, against 161 when it loaded q and G and took the exps per value block; GDN 168; offline
+                    # sm_90 compile, triton 3.9)
 BLOCK_V_OUT_KDA = 128  # KDA's _output (its [BT, K] QG and [BT, BT] P then load once per chunk rather than once
                        # per value block; 128 registers at 4 warps, no spills, offline sm_90, triton 3.9): H200, bf16,
                        # KDA forward B=1 T=16384 H=32 (2026-11-30, session 9, sweeps of BLOCK_V_OUT on two kernel
