@@ -198,7 +198,10 @@ BF16_DOT_KERNELS = {"solve_wy", "state_fwd", "output", "dv_local", "state_bwd", 
 BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp", "QG"}
 
 
-def _kw(name, per_channel=False):
+def _kw(name, per_channel):
+    """Launch keywords (num_warps, num_stages) of kernel `name` from WARPS / STAGES; for KDA (per_channel) a
+    "<name>_kda" entry overrides "<name>". per_channel has no default: a launch that omitted it would silently
+    ignore its KDA entries (as seven shared kernels did before session 9)."""
     def pick(table, default):
         value = table.get(name + "_kda") if per_channel else None
         return value or table.get(name, default)
@@ -282,13 +285,13 @@ def _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t, kept
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
         QG = torch.empty(B, Hq, Tp, K, device=dev, dtype=dt("QG"))
-        kw = _kw("kda_intra")
+        kw = _kw("kda_intra", per_channel)
         if prec_hi == "ieee":
             kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
         # QG is stored at the precision of its products (_output's, _state_bwd's)
         _kda_diag_kernel[(Tp, NG, B * triton.cdiv(H, KDA_DIAG_BH))](q, k, Gc, M, P, QG, scale, T, Tp, H, NG, K=K,
                                                                    BT=BT, BC=BC, DR=KDA_DIAG_ROWS, BH=KDA_DIAG_BH,
-                                                                   QG_PREC=p("output"), **_kw("kda_diag"))
+                                                                   QG_PREC=p("output"), **_kw("kda_diag", per_channel))
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
                                                         BK=min(KDA_BK, K), DR=KDA_DIAG_ROWS, PREC=prec_hi, **kw)
     c.update(Gc=Gc, M=M, P=P, QG=QG)
@@ -381,7 +384,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept
         for iq in range(NG):
             _kda_intra_bwd_kernel[(BT // BC * (K // BKI), NT, B * H)](q, k, Gc, dP, dM, dq, dk, dG, T, Tp, H, NG, iq,
                                                                       K=K, BT=BT, BC=BC, BK=BKI, WITH_M=iq == 0,
-                                                                      PREC=c["prec_hi"], **_kw("kda_intra_bwd"))
+                                                                      PREC=c["prec_hi"],
+                                                                      **_kw("kda_intra_bwd", per_channel))
     dg = torch.empty(g.shape, device=dev, dtype=f32)
     _rev_cumsum_kernel[(NT, B * H)](dG, dg, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel,
                                     **_kw("rev_cumsum", per_channel))

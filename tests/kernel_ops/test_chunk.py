@@ -197,7 +197,7 @@ SHARED_KERNELS = {"cumsum": "_cumsum_kernel", "solve_wy": "_solve_wy_kernel", "s
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_kda_launch_entries_set_every_shared_kernel_for_kda_only(kind, monkeypatch):
     # WARPS / STAGES "<name>_kda" entries (the sweeps' handle) reach each shared kernel's launch for KDA, not GDN's
-    defaults = {short: chunk_module._kw(short) for short in SHARED_KERNELS}
+    defaults = {short: chunk_module._kw(short, False) for short in SHARED_KERNELS}
     launches = []
     for short, name in SHARED_KERNELS.items():
         monkeypatch.setitem(chunk_module.WARPS, short + "_kda", 2)
