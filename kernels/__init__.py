@@ -1,7 +1,8 @@
 """retrofit's Triton kernels, importable as ``retrofit.kernels``.
 
 Each op lives in its own folder with a pure-PyTorch reference beside the fast path; both are exported here.
-This package imports nothing from the rest of ``retrofit``.
+This package imports nothing from the rest of ``retrofit``; ``device.py`` holds the device facts (SM count) that the
+launch heuristics of several folders read.
 
 - ``chunk_gated_delta_rule`` / ``chunk_kda``: chunked form (training, prefill), differentiable.
 - ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda``: recurrent form (decode), inference only;

@@ -82,6 +82,7 @@ import os
 import torch
 import triton
 
+from ..device import multiprocessors
 from .chunk_bwd_kernels import (_bwd_dqk_kernel, _bwd_wy_kernel, _dv_local_kernel, _kda_intra_bwd_kernel,
                                 _rev_cumsum_kernel, _state_bwd_kernel)
 from .chunk_fwd_kernels import (_cumsum_kernel, _kda_diag_kernel, _kda_intra_kernel, _output_kernel, _solve_wy_kernel,
@@ -90,7 +91,13 @@ from .chunk_fwd_kernels import (_cumsum_kernel, _kda_diag_kernel, _kda_intra_ker
 # Tunable launch constants (Hopper defaults).
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
-BLOCK_V = 32        # BV: value-dimension block of _state_fwd and the backward chunk kernels
+BLOCK_V = 32        # BV: value-dimension block of _solve_wy's U, of _state_fwd and of the backward chunk kernels
+# _state_fwd's value block when its V / BV x B x H programs (each sequential over the chunks) would still give every
+# SM one at this width: fewer, wider programs then read W, Kd and the decayed k once per 64 values rather than 32.
+# H200, bf16, H=32 K=V=128 (2026-11-30, session 10): with BLOCK_V = 64 for every kernel, KDA forward B=4 T=8192
+# 3.874 -> 3.621 ms (256 programs) but B=1 T=16384 1.983 -> 2.064 (64 programs on 132 SMs), hence the rule; with
+# the rule, B=4 3.844 -> 3.610 (KDA) and 1.634 -> 1.487 (GDN), B=1 unchanged.
+STATE_FWD_WIDE_BV = 64
 STATE_BWD_BV = 32   # value-dimension block of _state_bwd on the bf16 path (V / STATE_BWD_BV programs per kv head)
 STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates (TF32 or exact products): at 32, KDA's fp32 Kd, W, QG
                         # tiles make the TF32 kernel ask 233472 bytes of shared memory at 2 stages (over sm_90's
@@ -177,8 +184,10 @@ WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kd
 # at 1 stage 0 of 29 at 8 and 4 warps, GDN and KDA (B=1 T=300 H=2 K=V=128 bf16, 2026-11-30), for +0.05 ms GDN and
 # +0.12 ms KDA fwd+bwd at B=1 T=16384 H=32. (fla 0.6.0 refuses its own kernel of this role, chunk_bwd_dqkwg, on
 # Hopper with triton 3.4 to 3.7.0 for "incorrect results"; tests/kernel_ops/test_chunk.py checks repeatability.)
-# _kda_intra is pipelined (3 stages) on its GPU test record: see WARPS' comment.
-STAGES: dict[str, int] = {"solve_wy": 3, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3}
+# _kda_intra is pipelined (3 stages) on its GPU test record: see WARPS' comment. solve_wy_kda 3 -> 2 stages: KDA
+# forward B=1 T=16384 1.975 -> 1.958 ms, B=4 T=8192 3.610 -> 3.575 (H200, H=32, K=V=128, session 10 sweep; the whole
+# chunk GPU suite passed at this setting, 26 tests, triton 3.6).
+STAGES: dict[str, int] = {"solve_wy": 3, "solve_wy_kda": 2, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3}
 # _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
 # an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
 # in session 3, and 4 warps passed the V >= 64 shapes).
@@ -224,6 +233,16 @@ def _output_kw(block_v, per_channel):
     if block_v < OUTPUT_FEW_WARPS_MIN_BV:
         kw["num_warps"] = max(kw["num_warps"], 8)
     return kw
+
+
+def _state_fwd_bv(V, programs_per_value_block, device):
+    """_state_fwd's value block: STATE_FWD_WIDE_BV when V / STATE_FWD_WIDE_BV x programs_per_value_block (B x H)
+    programs fill the device's SMs, else BLOCK_V (and BLOCK_V off CUDA)."""
+    wide = min(STATE_FWD_WIDE_BV, V)
+    sms = multiprocessors(device)
+    if sms is not None and wide > BLOCK_V and (V // wide) * programs_per_value_block >= sms:
+        return wide
+    return min(BLOCK_V, V)
 
 
 def _precisions(x):
@@ -317,9 +336,10 @@ def _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t, kept
     Vp = torch.empty(B, H, Tp, V, device=dev, dtype=dt("Vp"))
     hT = torch.empty(B, H, K, V, device=dev, dtype=f32)
     h0 = initial_state if initial_state is not None else hT
-    _state_fwd_kernel[(V // BV, B * H)](k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K=K, V=V, BT=BT, BV=BV,
-                                        PER_CHANNEL=per_channel, HAS_H0=initial_state is not None,
-                                        PREC=p("state_fwd"), **_kw("state_fwd", per_channel))
+    BVS = _state_fwd_bv(V, B * H, dev)
+    _state_fwd_kernel[(V // BVS, B * H)](k, Kd, Gc, W, U, Hs, Vp, h0, hT, T, Tp, NT, H, K=K, V=V, BT=BT, BV=BVS,
+                                         PER_CHANNEL=per_channel, HAS_H0=initial_state is not None,
+                                         PREC=p("state_fwd"), **_kw("state_fwd", per_channel))
     c.update(Hs=Hs, Vp=Vp, hT=hT)
     return c
 

@@ -7,12 +7,13 @@ Online softmax in fp32, exp2 domain. Semantics: ``reference.sparse_decode_attent
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from ..device import multiprocessors
 
 _LOG2E = 1.4426950408889634
 
@@ -111,16 +112,11 @@ def _merge_splits_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _default_splits(rows: int, max_tokens: int, block_n: int, device: torch.device) -> int:
-    if device.type != "cuda":
+    sms = multiprocessors(device)
+    if sms is None:
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    programs_wanted = 2 * _multiprocessors(index)
+    programs_wanted = 2 * sms
     splits = max(1, math.ceil(programs_wanted / max(rows, 1)))
     return max(1, min(splits, math.ceil(max_tokens / block_n), 64))
 

@@ -188,6 +188,36 @@ class LaunchRecorder:
         return record
 
 
+def test_state_pass_value_block_widens_only_when_the_sms_stay_filled(monkeypatch):
+    monkeypatch.setattr(chunk_module, "multiprocessors", lambda device: 132)    # an H200
+    cuda = torch.device("cuda")
+    wide, narrow = chunk_module.STATE_FWD_WIDE_BV, chunk_module.BLOCK_V
+    assert (wide, narrow) == (64, 32)
+    assert chunk_module._state_fwd_bv(128, 4 * 32, cuda) == wide        # B=4 H=32: 256 programs of 64 values
+    assert chunk_module._state_fwd_bv(128, 2 * 32, cuda) == narrow      # 128 programs of 64 would leave 4 SMs idle
+    assert chunk_module._state_fwd_bv(128, 32, cuda) == narrow
+    assert chunk_module._state_fwd_bv(32, 4096, cuda) == narrow         # V = 32: no wider block exists
+    assert chunk_module._state_fwd_bv(16, 4096, cuda) == 16
+    monkeypatch.setattr(chunk_module, "multiprocessors", lambda device: None)   # off CUDA
+    assert chunk_module._state_fwd_bv(128, 4096, torch.device("cpu")) == narrow
+
+
+def force_wide_state_block(monkeypatch, launches):
+    """Every _state_fwd launch then takes STATE_FWD_WIDE_BV (a device of one SM); records the launches' BV."""
+    monkeypatch.setattr(chunk_module, "multiprocessors", lambda device: 1)
+    monkeypatch.setattr(chunk_module, "_state_fwd_kernel",
+                        LaunchRecorder(chunk_module._state_fwd_kernel, "state_fwd", launches, key="BV"))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_wide_state_pass_value_block_matches_reference(kind, monkeypatch):
+    launches = []
+    force_wide_state_block(monkeypatch, launches)
+    inputs = make_inputs(kind, 2, 75, 1, 16, 128, h0=True, seed=5)
+    check_against_reference(kind, inputs, FP32_TOL, FP32_TOL)
+    assert launches and all(bv == 64 for _, bv in launches), launches
+
+
 # the kernels that GDN and KDA share, by their WARPS / STAGES names
 SHARED_KERNELS = {"cumsum": "_cumsum_kernel", "solve_wy": "_solve_wy_kernel", "state_fwd": "_state_fwd_kernel",
                   "output": "_output_kernel", "dv_local": "_dv_local_kernel", "state_bwd": "_state_bwd_kernel",
@@ -384,6 +414,17 @@ def test_matches_reference_fp32_gpu(kind, T, K, V):
     inputs = make_inputs(kind, 1, T, 2, K, V, groups=2, h0=True, device="cuda", seed=T)
     # fp32 inputs use exact ("ieee") products on the GPU too: ~1e-6 measured; 2e-4 allows other summation orders
     check_against_reference(kind, inputs, 2e-4, 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_wide_state_pass_value_block_bf16_gpu(kind, monkeypatch):
+    # the state pass at STATE_FWD_WIDE_BV, which the small cases above never reach on a device of many SMs
+    launches = []
+    force_wide_state_block(monkeypatch, launches)
+    inputs = make_inputs(kind, 2, 300, 2, 128, 128, h0=True, dtype=torch.bfloat16, device="cuda", seed=8)
+    check_against_reference(kind, inputs, BF16_TOL_OUT, BF16_TOL_GRAD)
+    assert launches and all(bv == 64 for _, bv in launches), launches
 
 
 @pytest.mark.gpu
