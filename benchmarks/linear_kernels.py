@@ -14,8 +14,11 @@ Usage (GPU machine; fla wheels on PYTHONPATH, or it measures ours + SDPA only)::
     python benchmarks/linear_kernels.py --check --json $OUT/check.json     # bf16 outputs ours vs fla (rel RMS)
     python benchmarks/linear_kernels.py --tune-decode                      # recurrent block-size sweep
     python benchmarks/linear_kernels.py --profile                          # our chunk kernels, time per Triton kernel
+    python benchmarks/linear_kernels.py --only chunk --kind kda --repeats 5  # ours and fla alternating, 5 rounds
 
-Timing: ``triton.testing.do_bench`` (warm-up, then the median of CUDA-event timed calls).
+Timing: ``triton.testing.do_bench`` (warm-up, then the median of CUDA-event timed calls). Ratios near 1.0 are at
+the level of run-to-run drift (about 0.3% for the chunk forward on the H200): ``--repeats`` alternates ours and fla
+over several rounds and reports the per-round ratios' spread.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -141,22 +145,42 @@ def fwd_bwd_memory_mib(step_forward, do) -> dict:
     return {"held_mib": round(held / 2**20, 1), "peak_mib": round(peak / 2**20, 1)}
 
 
-def chunk_rows(ours, fla, rows: list[Row], kinds=("gdn", "kda")) -> None:
+def bench_alternating(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Times each fn of `fns` (name -> callable) in `repeats` rounds, the fns alternating within a round, so that slow
+    drifts of the GPU (clocks, temperature) fall on every fn alike. Returns ({name: [ms per round]}, {name: note}); a
+    fn that raises is dropped after its first round with its "refused: ..." note."""
+    times: dict = {name: [] for name in fns}
+    notes: dict = {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if name in notes:
+                continue
+            ms, note = try_bench(fn)
+            if note:
+                notes[name] = note
+            else:
+                times[name].append(ms)
+    return times, notes
+
+
+def chunk_rows(ours, fla, rows: list[Row], kinds=("gdn", "kda"), repeats: int = 1) -> None:
     scale = K ** -0.5
     for kind in kinds:
         for B, T in CHUNK_SHAPES:
             q, k, v, g, beta = make_inputs(B, T, kind == "kda")
             row = Row(f"{kind} chunk fwd", f"B={B} T={T}", B * T)
-            notes = []
-            for who, ops, attr in (("ours", ours, "ours_ms"), ("fla", fla, "fla_ms")):
-                if ops is None or f"chunk_{kind}" not in ops:
-                    continue
-                op = ops[f"chunk_{kind}"]
-                with torch.no_grad():
-                    ms, note = try_bench(lambda: op(q, k, v, g, beta, scale=scale, output_final_state=True))
-                setattr(row, attr, ms)
-                if note:
-                    notes.append(f"{who} {note}")
+            fns = {who: (lambda op=ops[f"chunk_{kind}"]: op(q, k, v, g, beta, scale=scale, output_final_state=True))
+                   for who, ops in (("ours", ours), ("fla", fla)) if ops is not None and f"chunk_{kind}" in ops}
+            with torch.no_grad():
+                times, refused = bench_alternating(fns, repeats)
+            row.ours_ms = statistics.median(times["ours"]) if times.get("ours") else None
+            row.fla_ms = statistics.median(times["fla"]) if times.get("fla") else None
+            notes = [f"{who} {note}" for who, note in refused.items()]
+            if repeats > 1 and times.get("ours") and times.get("fla"):
+                ratios = [f / o for o, f in zip(times["ours"], times["fla"])]
+                row.extra.update(ours_ms_rounds=times["ours"], fla_ms_rounds=times["fla"], ratio_rounds=ratios)
+                notes.append(f"{repeats} alternating rounds, medians; fla/ours per round {min(ratios):.3f} to "
+                             f"{max(ratios):.3f}, median {statistics.median(ratios):.3f}")
             row.note = "; ".join(notes)
             rows.append(row)
             print_row(row)
@@ -474,7 +498,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these groups (repeatable); default all")
     parser.add_argument("--kind", choices=["gdn", "kda"], action="append",
                         help="chunk rows of these layer kinds only (repeatable); default both")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="chunk forward rows: time ours and fla alternately in this many rounds and report the "
+                             "medians with the spread of the per-round ratio (default 1)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not torch.cuda.is_available():
         print("linear_kernels.py needs a CUDA GPU")
         return 2
@@ -510,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = args.only or ["chunk", "decode", "sdpa"]
         rows: list[Row] = []
         if "chunk" in groups:
-            chunk_rows(ours, fla, rows, tuple(args.kind or ("gdn", "kda")))
+            chunk_rows(ours, fla, rows, tuple(args.kind or ("gdn", "kda")), args.repeats)
         if "decode" in groups:
             decode_rows(ours, fla, rows)
         if "sdpa" in groups:
