@@ -24,7 +24,8 @@ Kernel plan (grid in brackets; "bh" = batch * kv heads, "bhq" = batch * query he
   forward:  _cumsum [NT, bh] -> (KDA) _kda_diag [Tp, NG, B * H/KDA_DIAG_BH] (one program per row and block of
             kv heads: the pairs within its group of KDA_DIAG_ROWS rows, no tl.dot, and the row's decayed queries
             QG = scale q exp(G) [B, Hq, Tp, K]) and _kda_intra [NT * NS, NG, bh] (one program per sub-chunk: the
-            rest of its rows of M and P, sharing the exps)
+            rest of its rows of M and P up to the diagonal block, sharing the exps; right of it M and P are left
+            unwritten and their readers mask j > i)
             -> _solve_wy [NT, bh] (T, W, U; KDA also k exp(G_last - G))
             -> _state_fwd [V/BV, bh] (sequential over chunks) -> _output [V/BV, NT, bhq] (KDA reads QG rather than
             q and G: no [BT, K] exps once per value block)
@@ -54,9 +55,9 @@ which makes them exact no-ops.
 Precision (PREC of the products; _precisions):
   fp32 inputs: every intermediate fp32, exact ("ieee") products.
   bf16 inputs with LOW_PRECISION_INTERMEDIATES (default): the buffers in BF16_BUFFERS (W, U, Kd, the chunk
-    states Hs, V', KDA's QG, and dHs, dV') are stored in bf16 and the kernels in BF16_DOT_KERNELS feed their products
-    bf16 operands with fp32 accumulation (PREC "bf16"), as flash-linear-attention does; the state carried
-    across chunks, G, M, P, T's block merges, the gradient accumulators and the final state stay fp32, and
+    states Hs, V', KDA's QG and P, and dHs, dV') are stored in bf16 and the kernels in BF16_DOT_KERNELS feed their
+    products bf16 operands with fp32 accumulation (PREC "bf16"), as flash-linear-attention does; the state carried
+    across chunks, G, M, T's block merges, the gradient accumulators and the final state stay fp32, and
     KDA's decayed sub-chunk products and T's block merges use TF32 (PREC_HI). Under the CPU interpreter, whose
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
@@ -132,9 +133,9 @@ KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kd
                     # H200 KDA fwd+bwd B=1 T=16384: 8.93 ms at 32, 15.90 at 16, 9.19 at 64 with 8 warps)
 KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products (137 registers at 4 warps; 182 at 32, no spills)
 # KDA with autograd: keep G (chunk cumsums), the sub-chunk products M, P and the decayed queries QG from the forward
-# for the backward (fp32 [B, H, Tp, K] + [B, H, Tp, 64] + [B, Hq, Tp, 64], QG [B, Hq, Tp, K] in BF16_BUFFERS) instead
-# of recomputing them there: per (padded) token, bf16 inputs, K = 128, BT = 64, 768 bytes per kv head (G, M) and
-# 256 + 2 K = 512 per query head (P, QG), 1280 bytes with one query head per kv head (B=1 T=16384 H=32: 671 MB)
+# for the backward (fp32 [B, H, Tp, K] + [B, H, Tp, 64], P [B, Hq, Tp, 64] and QG [B, Hq, Tp, K] in BF16_BUFFERS)
+# instead of recomputing them there: per (padded) token, bf16 inputs, K = 128, BT = 64, 768 bytes per kv head (G, M)
+# and 128 + 2 K = 384 per query head (P, QG), 1152 bytes with one query head per kv head (B=1 T=16384 H=32: 604 MB)
 KDA_KEEP_INTRA_FOR_BACKWARD = True
 # With autograd: keep the forward's WY factors T^-1 (fp32, as stored with STORE_T), W and (KDA) Kd, and the chunk
 # states Hs with the pseudo-values V', for the backward, which then runs neither _solve_wy nor _state_fwd (GDN
@@ -196,15 +197,15 @@ OUTPUT_FEW_WARPS_MIN_BV = 64
 # for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
 FP32_INPUT_DOT_PRECISION = "ieee"
 LOW_PRECISION_INPUT_DOT_PRECISION = "tf32"
-# bf16 inputs: keep the big intermediates (W, U, KDA's Kd and QG, chunk states Hs, pseudo-values V', and in the
+# bf16 inputs: keep the big intermediates (W, U, KDA's Kd, QG and P, chunk states Hs, pseudo-values V', and in the
 # backward dHs, dV') in bf16 and feed the products bf16 operands with fp32 accumulation, as flash-linear-attention
-# does (half the bytes, bf16 tensor cores). The state carried across chunks, G, T's block merges, M, P, the gradient
+# does (half the bytes, bf16 tensor cores). The state carried across chunks, G, T's block merges, M, the gradient
 # accumulators and the final state stay fp32. False: the previous path (fp32 intermediates, TF32 products).
 LOW_PRECISION_INTERMEDIATES = True
 # with LOW_PRECISION_INTERMEDIATES: the kernels whose products take bf16 operands (the others use PREC_HI) and
 # the intermediates stored in bf16 (the others fp32)
 BF16_DOT_KERNELS = {"solve_wy", "state_fwd", "output", "dv_local", "state_bwd", "bwd_dqk", "bwd_wy"}
-BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp", "QG"}
+BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp", "QG", "P"}
 
 
 def _kw(name, per_channel):
@@ -302,17 +303,18 @@ def _fwd_core(q, k, v, g, beta, scale, initial_state, per_channel, store_t, kept
         _cumsum_kernel[(NT, B * H)](g, Gc, T, Tp, H, K=K, BT=BT, PER_CHANNEL=per_channel, **_kw("cumsum", per_channel))
     if per_channel and M is None:
         M = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-        P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=f32)
+        P = torch.empty(B, Hq, Tp, BT, device=dev, dtype=dt("P"))
         QG = torch.empty(B, Hq, Tp, K, device=dev, dtype=dt("QG"))
         kw = _kw("kda_intra", per_channel)
         if prec_hi == "ieee":
             kw["num_warps"] = max(kw["num_warps"], KDA_INTRA_IEEE_WARPS)
-        # QG is stored at the precision of its products (_output's, _state_bwd's)
+        # QG and P are stored at the precision of _output's products (QG's other reader, _state_bwd, shares it)
         _kda_diag_kernel[(Tp, NG, B * triton.cdiv(H, KDA_DIAG_BH))](q, k, Gc, M, P, QG, scale, T, Tp, H, NG, K=K,
                                                                    BT=BT, BC=BC, DR=KDA_DIAG_ROWS, BH=KDA_DIAG_BH,
-                                                                   QG_PREC=p("output"), **_kw("kda_diag", per_channel))
+                                                                   OUT_PREC=p("output"), **_kw("kda_diag", per_channel))
         _kda_intra_kernel[(NT * (BT // BC), NG, B * H)](q, k, Gc, M, P, T, Tp, H, NG, K=K, BT=BT, BC=BC,
-                                                        BK=min(KDA_BK, K), DR=KDA_DIAG_ROWS, PREC=prec_hi, **kw)
+                                                        BK=min(KDA_BK, K), DR=KDA_DIAG_ROWS, PREC=prec_hi,
+                                                        OUT_PREC=p("output"), **kw)
     c.update(Gc=Gc, M=M, P=P, QG=QG)
     if "W" in kept:
         W, U, Tinv = kept["W"], kept.get("U"), kept["Tinv"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _causal, _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _dv_local_kernel(q, k, Gc, P, do, dVl, scale, T, Tp, H, NG, K: tl.constexpr,
     for iq in range(NG):
         i_hq = i_h * NG + iq
         if PER_CHANNEL:
-            p = tl.load(P + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :])
+            p = _causal(tl.load(P + ((i_b * Hq + i_hq) * Tp + rows[:, None]) * BT + o[None, :]), BT)
         else:
             q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None], other=0.).to(tl.float32)
             p = _dot(q_c, tl.trans(k_c), PREC) * dec
@@ -312,7 +312,7 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
     da = _dot(_dot(tmt, dt, PREC), tl.trans(tm), PREC)
     da = tl.where(strict, -da, 0.)
     if PER_CHANNEL:
-        m = tl.load(M + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
+        m = tl.where(strict, tl.load(M + (i_bh * Tp + rows[:, None]) * BT + o[None, :]), 0.)   # j > i: unwritten
     else:
         dec = _gdn_decay(G, True, BT)
         m = kk * dec

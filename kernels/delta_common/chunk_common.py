@@ -65,6 +65,14 @@ def _gdn_decay(G, STRICT: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _causal(x, BT: tl.constexpr):
+    """x [BT, BT] with its entries j > i set to zero: KDA's P and M are written only up to their diagonal blocks
+    (the blocks right of them hold whatever the buffer held: a select, not a product, so NaN there is harmless)."""
+    o = tl.arange(0, BT)
+    return tl.where(o[:, None] >= o[None, :], x, 0.)
+
+
+@triton.jit
 def _chunk_rows(T, H, BT: tl.constexpr):
     """Program (chunk, batch*head) of a [NT, B*H] grid -> (i_b, i_h, i_bh (int64), rows [BT], rows < T)."""
     i_t = tl.program_id(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
+from .chunk_common import _causal, _chunk_rows, _dot, _gdn_decay, _round_bf16, _store_cast, _to_op
 
 
 @triton.jit
@@ -25,12 +25,13 @@ def _cumsum_kernel(g, Gc, T, Tp, H, K: tl.constexpr, BT: tl.constexpr, PER_CHANN
 
 @triton.jit
 def _kda_diag_kernel(q, k, Gc, M, P, QG, scale, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     DR: tl.constexpr, BH: tl.constexpr, QG_PREC: tl.constexpr):
+                     DR: tl.constexpr, BH: tl.constexpr, OUT_PREC: tl.constexpr):
     """KDA: row i of the diagonal BC x BC block of M (x = k, j < i) and of P for query head iq (x = q, j <= i),
     for BH kv heads: M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc) for the j of i's group of DR rows (DR = BC,
     or BC / 2 with the pairs across the two halves left to _kda_intra) up to i (exponents <= 0), zeros right of
     i; M is stored by the iq = 0 program. Also row i of QG = scale q exp(G) [B, Hq, Tp, K] (G_i <= 0), the decayed
-    queries of _output's and _state_bwd's products, stored at QG_PREC (_store_cast: bf16 on the bf16 path). One
+    queries of _output's and _state_bwd's products. P and QG are stored at OUT_PREC, the precision of _output's
+    products (_store_cast: bf16 on the bf16 path, where _output would round P to bf16 anyway). One
     program per (padded row i, query head of the group, batch and block of BH kv heads): elementwise products over
     the whole key dimension and sums, exact in fp32 on every path, one exp per channel and pair; no tl.dot (16 x 16
     blocks cost more in layout conversions than in products)."""
@@ -62,8 +63,8 @@ def _kda_diag_kernel(q, k, Gc, M, P, QG, scale, T, Tp, H, NG, K: tl.constexpr, B
     mine = hmask & (oc >= r0 - s0)     # the pairs across the halves (DR < BC) are _kda_intra's
     first = (oc * 0 + iq) == 0
     tl.store(M + ((i_b * H + h[:, None]) * Tp + i) * BT + (s0 % BT) + oc, m_row, mask=mine & first)
-    tl.store(P + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * BT + (s0 % BT) + oc, p_row, mask=mine)
-    _store_cast(QG + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * K + ck, scale * x_q * tl.exp(G_i), QG_PREC,
+    _store_cast(P + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * BT + (s0 % BT) + oc, p_row, OUT_PREC, mask=mine)
+    _store_cast(QG + ((i_b * Hq + h[:, None] * NG + iq) * Tp + i) * K + ck, scale * x_q * tl.exp(G_i), OUT_PREC,
                 mask=hmask)
 
 
@@ -92,14 +93,15 @@ def _kda_cross_half_pairs(G_i, k_i, q_i, Gb, r0, ck, K: tl.constexpr, BC: tl.con
 
 @triton.jit
 def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      BK: tl.constexpr, DR: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, DR: tl.constexpr, PREC: tl.constexpr, OUT_PREC: tl.constexpr):
     """KDA: the BC rows of sub-chunk I of a chunk in M (x = k, j < i) and in P for query head iq of the group
-    (x = q, j <= i) left of the diagonal block, M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc), and zeros right of
-    it; with DR = BC / 2 also the diagonal block's pairs from its first into its second half (decayed through the
-    middle row m: exp(G_i - G_m) exp(G_m - G_j)), the rest of the diagonal block being _kda_diag_kernel's; M is
-    stored by the iq = 0 program. One program per (chunk and sub-chunk I, query head of the group, kv head), K in
-    blocks of BK: the row factors x_i exp(G_i - G_r0) once per key block, then per earlier sub-chunk J < I one
-    tl.dot each against k_j exp(G_r0 - G_j) (r0 = the sub-chunk's first row lies between every j and i: both
+    (x = q, j <= i) left of the diagonal block, M_ij / P_ij = sum_c x_ic k_jc exp(G_ic - G_jc); with DR = BC / 2
+    also the diagonal block's pairs from its first into its second half (decayed through the middle row m:
+    exp(G_i - G_m) exp(G_m - G_j)), the rest of the diagonal block being _kda_diag_kernel's. The blocks right of
+    the diagonal block are left unwritten: every reader of M and P masks them (j > i). M is stored by the iq = 0
+    program, P at OUT_PREC (as _kda_diag_kernel). One program per (chunk and sub-chunk I, query head of the group,
+    kv head), K in blocks of BK: the row factors x_i exp(G_i - G_r0) once per key block, then per earlier sub-chunk
+    J < I one tl.dot each against k_j exp(G_r0 - G_j) (r0 = the sub-chunk's first row lies between every j and i: both
     exponents <= 0)."""
     tl.static_assert(BT == 4 * BC)
     tl.static_assert(DR == BC or 2 * DR == BC)
@@ -157,13 +159,13 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
                 m2 += _dot(kx, col, PREC)
                 p2 += _dot(qx, col, PREC)
         tl.store(mo + blk, m0, mask=first)
-        tl.store(po + blk, p0)
+        _store_cast(po + blk, p0, OUT_PREC)
         if I > 1:
             tl.store(mo + BC + blk, m1, mask=first)
-            tl.store(po + BC + blk, p1)
+            _store_cast(po + BC + blk, p1, OUT_PREC)
         if I > 2:
             tl.store(mo + 2 * BC + blk, m2, mask=first)
-            tl.store(po + 2 * BC + blk, p2)
+            _store_cast(po + 2 * BC + blk, p2, OUT_PREC)
     elif DR < BC:
         for kk in range(0, K, BK):
             ck = kk + tl.arange(0, BK)
@@ -176,12 +178,7 @@ def _kda_intra_kernel(q, k, Gc, M, P, T, Tp, H, NG, K: tl.constexpr, BT: tl.cons
     if DR < BC:
         quadrant = (oc >= DR)[:, None] & (oc < DR)[None, :]
         tl.store(mo + I * BC + blk, mh, mask=quadrant & first)
-        tl.store(po + I * BC + blk, ph, mask=quadrant)
-    la = tl.arange(0, BT)
-    upper = (la[None, :] >= (I + 1) * BC) & (oc >= 0)[:, None]
-    zeros = tl.zeros([BC, BT], dtype=tl.float32)
-    tl.store(mo + oc[:, None] * BT + la[None, :], zeros, mask=upper & first)
-    tl.store(po + oc[:, None] * BT + la[None, :], zeros, mask=upper)
+        _store_cast(po + I * BC + blk, ph, OUT_PREC, mask=quadrant)
 
 
 @triton.jit
@@ -498,7 +495,7 @@ def _output_kernel(q, k, Gc, QG, P, Hs, Vp, o_ptr, scale, T, Tp, NT, H, NG, K: t
         s = tl.load(Hs + ((i_bh * NT + i_t) * K + ck[:, None]) * V + cv[None, :])
         vp = tl.load(Vp + (i_bh * Tp + rows[:, None]) * V + cv[None, :])
         qg = tl.load(QG + (i_bhq * Tp + rows[:, None]) * K + ck[None, :])
-        p = tl.load(P + (i_bhq * Tp + rows[:, None]) * BT + o[None, :])
+        p = _causal(tl.load(P + (i_bhq * Tp + rows[:, None]) * BT + o[None, :]), BT)
         acc = _dot(qg, s, PREC) + scale * _dot(p, vp, PREC)
     else:
         q_c = tl.load(q + ((i_b * T + rows[:, None]) * Hq + i_hq) * K + ck[None, :], mask=rmask[:, None],
