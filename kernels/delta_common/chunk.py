@@ -171,14 +171,15 @@ NUM_STAGES = 2
 # same time (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC] blocks take the mma layout of a
 # single warp, so a second warp holds a copy of every block rather than a share of it; at 1 warp 237 registers and
 # no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none (with its rewrite: GDN forward
-# 1.154 -> 0.855 ms). Measured since, not adopted on main (no GPU test run at that setting): bwd_wy 4 warps (GDN
-# fwd+bwd 4.42 -> 3.70 ms; KDA unmeasured).
+# 1.154 -> 0.855 ms). bwd_wy 8 -> 4 warps for GDN (session 11; H200, triton 3.6, B=1 T=16384 H=32 K=V=128 bf16:
+# GDN fwd+bwd 4.42 -> 3.71 ms; the GDN GPU tests pass with value blocks under 32 kept at 8 warps, FEW_WARPS_MIN_BV);
+# KDA stays at 8: its _bwd_wy at 4 warps hit an illegal address on the first KDA GPU test (B=1 T=300 K=V=128).
 # solve_wy_kda 2 -> 1 warp on this branch: measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32,
 # 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
 # and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
 # 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
 WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
-         "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
+         "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 4, "bwd_wy_kda": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
 # over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
 # 7 of 29 runs differing at 8 warps (rel RMS error up to 0.038 against 0.0022) and 29 of 29 at 4 warps (up to 0.15);
@@ -189,10 +190,11 @@ WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kd
 # forward B=1 T=16384 1.975 -> 1.958 ms, B=4 T=8192 3.610 -> 3.575 (H200, H=32, K=V=128, session 10 sweep; the whole
 # chunk GPU suite passed at this setting, 26 tests, triton 3.6).
 STAGES: dict[str, int] = {"solve_wy": 3, "solve_wy_kda": 2, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3}
-# _output on value blocks narrower than this keeps 8 warps: at 4 warps triton 3.6 on the H200 made GDN's _output hit
-# an illegal address at V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 8 warps passed every GPU test shape
-# in session 3, and 4 warps passed the V >= 64 shapes).
-OUTPUT_FEW_WARPS_MIN_BV = 64
+# Kernels that keep at least 8 warps on value blocks narrower than the given width, whatever WARPS says (on the
+# H200 with triton 3.6; 8 warps pass every GPU test shape): _output at 4 warps hit an illegal address in GDN at
+# V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 4 warps passed the V >= 64 shapes); GDN's _bwd_wy at 4
+# warps failed the two bf16 GPU cases with V = 16 (session 10; the V >= 32 cases passed).
+FEW_WARPS_MIN_BV = {"output": 64, "bwd_wy": 32}
 # tl.dot input precision for float32 operands: inputs in float32 use exact ("ieee") products;
 # for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
 FP32_INPUT_DOT_PRECISION = "ieee"
@@ -229,9 +231,10 @@ def _state_bwd_kw(per_channel, NG, K, BT, BV, in_bytes, buf_bytes):
     return kw
 
 
-def _output_kw(block_v, per_channel):
-    kw = _kw("output", per_channel)
-    if block_v < OUTPUT_FEW_WARPS_MIN_BV:
+def _value_block_kw(name, per_channel, block_v):
+    """_kw(name) with at least 8 warps when the kernel's value block is narrower than FEW_WARPS_MIN_BV[name]."""
+    kw = _kw(name, per_channel)
+    if block_v < FEW_WARPS_MIN_BV.get(name, 0):
         kw["num_warps"] = max(kw["num_warps"], 8)
     return kw
 
@@ -357,7 +360,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, per_channel, keep=()):
     QG, P = (c["QG"], c["P"]) if per_channel else (q, c["Gc"])     # GDN reads neither
     _output_kernel[(V // BV, NT, B * Hq)](q, k, c["Gc"], QG, P, c["Hs"], c["Vp"], o, scale, T, c["Tp"], NT, H,
                                           Hq // H, K=K, V=V, BT=CHUNK, BV=BV, PER_CHANNEL=per_channel,
-                                          PREC=c["p"]("output"), **_output_kw(BV, per_channel))
+                                          PREC=c["p"]("output"), **_value_block_kw("output", per_channel, BV))
     return o, c["hT"], {name: c[name] for name in keep}
 
 
@@ -400,7 +403,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dhT, per_channel, kept
     dM = torch.empty(B, H, Tp, BT, device=dev, dtype=f32) if per_channel else dG
     _bwd_wy_kernel[(NT, B * H)](k, v, beta, Gc, c["M"] if per_channel else Gc, c["Tinv"], dW, dVp, dk, dv, dbeta,
                                 dG, dM, T, Tp, H, K=K, V=V, BT=BT, BV=BV, BK=min(BWD_WY_BK, K), PER_CHANNEL=per_channel,
-                                PREC=c["p"]("bwd_wy"), **_kw("bwd_wy", per_channel))
+                                PREC=c["p"]("bwd_wy"), **_value_block_kw("bwd_wy", per_channel, BV))
     if per_channel:
         BKI = min(KDA_BWD_IEEE_BK if c["prec_hi"] == "ieee" else KDA_BWD_BK, K)
         for iq in range(NG):

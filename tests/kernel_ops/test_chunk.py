@@ -202,6 +202,18 @@ def test_state_pass_value_block_widens_only_when_the_sms_stay_filled(monkeypatch
     assert chunk_module._state_fwd_bv(128, 4096, torch.device("cpu")) == narrow
 
 
+def test_narrow_value_blocks_keep_eight_warps(monkeypatch):
+    # the guard of FEW_WARPS_MIN_BV: fewer warps only where the GPU tests passed with them (wide value blocks)
+    monkeypatch.setitem(chunk_module.WARPS, "bwd_wy", 4)
+    monkeypatch.setitem(chunk_module.WARPS, "output", 2)
+    monkeypatch.setitem(chunk_module.WARPS, "state_fwd", 2)
+    warps = {(name, bv): chunk_module._value_block_kw(name, False, bv)["num_warps"]
+             for name in ("bwd_wy", "output", "state_fwd") for bv in (16, 32, 64)}
+    assert warps == {("bwd_wy", 16): 8, ("bwd_wy", 32): 4, ("bwd_wy", 64): 4,
+                     ("output", 16): 8, ("output", 32): 8, ("output", 64): 2,
+                     ("state_fwd", 16): 2, ("state_fwd", 32): 2, ("state_fwd", 64): 2}   # no guard for state_fwd
+
+
 def force_wide_state_block(monkeypatch, launches):
     """Every _state_fwd launch then takes STATE_FWD_WIDE_BV (a device of one SM); records the launches' BV."""
     monkeypatch.setattr(chunk_module, "multiprocessors", lambda device: 1)
@@ -234,7 +246,7 @@ def test_kda_launch_entries_set_every_shared_kernel_for_kda_only(kind, monkeypat
         monkeypatch.setitem(chunk_module.STAGES, short + "_kda", 1)
         monkeypatch.setattr(chunk_module, name, LaunchRecorder(getattr(chunk_module, name), name, launches,
                                                                key=("num_warps", "num_stages")))
-    # V = 64: _output keeps its default warps (no few-warps guard, OUTPUT_FEW_WARPS_MIN_BV)
+    # V = 64: _output keeps its default warps (no few-warps guard, FEW_WARPS_MIN_BV)
     inputs = make_inputs(kind, 1, 20, 1, 16, 64, h0=True, seed=13)
     gen = torch.Generator().manual_seed(4)
     run_with_grads(OPS[kind][0], inputs, torch.randn(1, 20, 1, 64, generator=gen),
