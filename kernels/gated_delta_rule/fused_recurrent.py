@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import multiprocessors
+
 
 @triton.jit
 def recurrent_delta_rule_kernel(
@@ -109,18 +111,34 @@ def recurrent_delta_rule_kernel(
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-# (B, H, K, V) -> (grid, BK, BV, num_warps): computed once per decode shape so a decode step does no arithmetic
-_LAUNCH_CONFIG: dict[tuple[int, int, int, int], tuple[tuple[int, int], int, int, int]] = {}
+# Value block of a step with many (batch, kv head) slices: the widest of DECODE_WIDE_BV, DECODE_WIDE_BV / 2, ... that
+# still gives DECODE_PROGRAMS_PER_SM programs per SM; else the thin block (a [BK, BV] slice in one warp's registers).
+# Wider blocks read and write the state in longer rows, which is the whole cost of a step at large B. H200, bf16,
+# H=32 K=V=128, one step in place (session 11, .gpu sweep of forced blocks): B=64 GDN 96.4 -> 72.5 us, KDA
+# 101.2 -> 73.0 (fla 0.6.0: 99.8 / 74.9); B=16 28.3 -> 23.6; B=256 369 -> 268; B=4 takes 32 (11.1 -> 9.6); B=1 keeps
+# the thin block (64 or 128 programs at 32 or 64 would leave SMs idle; every block measured 5.8-7.6 us there).
+# 64 at 8 warps and 128 were slower (B=64: 93.3, 90.5).
+DECODE_WIDE_BV = 64
+DECODE_PROGRAMS_PER_SM = 2
+
+# (B, H, K, V, device) -> (grid, BK, BV, num_warps): computed once per decode shape so a step does no arithmetic
+_LAUNCH_CONFIG: dict[tuple, tuple[tuple[int, int], int, int, int]] = {}
 
 
-def _launch_config(B: int, H: int, K: int, V: int) -> tuple[tuple[int, int], int, int, int]:
-    key = (B, H, K, V)
+def _launch_config(B: int, H: int, K: int, V: int, device: torch.device) -> tuple[tuple[int, int], int, int, int]:
+    key = (B, H, K, V, device)
     config = _LAUNCH_CONFIG.get(key)
     if config is None:
         BK = triton.next_power_of_2(K)
         # A thin V block keeps the [BK, BV] state slice in one warp's registers (the K reduction stays
         # inside the warp) and gives B=1 decode enough programs to cover the GPU.
         BV = min(triton.next_power_of_2(V), max(8, 1024 // BK))
+        sms = multiprocessors(device)
+        if sms is not None:
+            wide = min(DECODE_WIDE_BV, triton.next_power_of_2(V))
+            while wide > BV and triton.cdiv(V, wide) * B * H < DECODE_PROGRAMS_PER_SM * sms:
+                wide //= 2
+            BV = max(BV, wide)
         if _INTERPRETED:
             # The CPU interpreter pays per program, not per element: use at most two V blocks (still
             # exercising the V-block offsets) so the CPU tests stay fast.
@@ -187,7 +205,7 @@ def fused_recurrent_delta_rule(
     else:
         final_state = None
 
-    grid, BK, BV, num_warps = _launch_config(B, H, K, V)
+    grid, BK, BV, num_warps = _launch_config(B, H, K, V, v.device)
     recurrent_delta_rule_kernel[grid](
         q, k, v, g, beta, o, initial_state, final_state, scale, T,
         H=H, GROUP=HQ // H, K=K, V=V, BK=BK, BV=BV,

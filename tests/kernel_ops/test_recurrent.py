@@ -175,8 +175,25 @@ def test_bad_inputs_raise_clear_errors():
         fused_recurrent_gated_delta_rule(q[:, :, :1].repeat(1, 1, 3, 1), k, v, g[..., 0], beta)
 
 
+def test_decode_value_block_widens_with_the_batch(monkeypatch):
+    # DECODE_WIDE_BV where the programs still fill the SMs twice over, narrower blocks down to the thin one else
+    from retrofit.kernels.gated_delta_rule import fused_recurrent as fr
+    monkeypatch.setattr(fr, "_LAUNCH_CONFIG", {})
+    monkeypatch.setattr(fr, "_INTERPRETED", False)
+    monkeypatch.setattr(fr, "multiprocessors", lambda device: 132)     # an H200
+    cuda = torch.device("cuda")
+    blocks = {B: fr._launch_config(B, 32, 128, 128, cuda)[1:] for B in (1, 4, 16, 64)}
+    # (BK, BV, warps): B=1 64 / 128 / 256 programs at 64 / 32 / 16 values < 264, the thin block; B=4 512 at 32
+    assert blocks == {1: (128, 8, 1), 4: (128, 32, 4), 16: (128, 64, 4), 64: (128, 64, 4)}
+    assert fr._launch_config(64, 32, 128, 128, cuda)[0] == (2, 64 * 32)
+    assert fr._launch_config(2, 3, 64, 48, cuda)[1:] == (64, 16, 1)       # 6 slices: thin, V = 48 masked
+    monkeypatch.setattr(fr, "multiprocessors", lambda device: None)    # off CUDA
+    assert fr._launch_config(64, 32, 128, 128, torch.device("cpu"))[1:] == (128, 8, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
+# B=64, H=8: 1024 programs of 64 values, the wide decode block (DECODE_WIDE_BV) with grouped query heads
 @pytest.mark.parametrize("B,T,H,group,K,V", [(1, 1, 32, 1, 128, 128), (4, 75, 3, 3, 64, 64), (64, 1, 8, 4, 128, 128)])
 def test_bf16_matches_fp32_reference_on_gpu(kind, B, T, H, group, K, V):
     """bf16 q/k/v, fp32 g/beta/state vs the fp32 reference on the same bf16-valued inputs."""
