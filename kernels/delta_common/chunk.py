@@ -173,13 +173,15 @@ NUM_STAGES = 2
 # no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none (with its rewrite: GDN forward
 # 1.154 -> 0.855 ms). bwd_wy 8 -> 4 warps for GDN (session 11; H200, triton 3.6, B=1 T=16384 H=32 K=V=128 bf16:
 # GDN fwd+bwd 4.42 -> 3.71 ms; the GDN GPU tests pass with value blocks under 32 kept at 8 warps, FEW_WARPS_MIN_BV);
-# KDA stays at 8: its _bwd_wy at 4 warps hit an illegal address on the first KDA GPU test (B=1 T=300 K=V=128).
+# KDA: at 4 warps and 2 stages its _bwd_wy hit an illegal address on the first KDA GPU test (B=1 T=300 K=V=128);
+# at 4 warps unpipelined (STAGES bwd_wy_kda 1) the KDA GPU set passes (13) and KDA fwd+bwd 8.17 -> 7.97 ms (8 warps
+# at 1 stage: 8.75).
 # solve_wy_kda 2 -> 1 warp on this branch: measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32,
 # 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
 # and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
 # 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
 WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
-         "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 4, "bwd_wy_kda": 8, "kda_intra_bwd": 4, "rev_cumsum": 4}
+         "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 4, "bwd_wy_kda": 4, "kda_intra_bwd": 4, "rev_cumsum": 4}
 # Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
 # over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
 # 7 of 29 runs differing at 8 warps (rel RMS error up to 0.038 against 0.0022) and 29 of 29 at 4 warps (up to 0.15);
@@ -189,7 +191,8 @@ WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kd
 # _kda_intra is pipelined (3 stages) on its GPU test record: see WARPS' comment. solve_wy_kda 3 -> 2 stages: KDA
 # forward B=1 T=16384 1.975 -> 1.958 ms, B=4 T=8192 3.610 -> 3.575 (H200, H=32, K=V=128, session 10 sweep; the whole
 # chunk GPU suite passed at this setting, 26 tests, triton 3.6).
-STAGES: dict[str, int] = {"solve_wy": 3, "solve_wy_kda": 2, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3}
+STAGES: dict[str, int] = {"solve_wy": 3, "solve_wy_kda": 2, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3,
+                          "bwd_wy_kda": 1}
 # Kernels that keep at least 8 warps on value blocks narrower than the given width, whatever WARPS says (on the
 # H200 with triton 3.6; 8 warps pass every GPU test shape): _output at 4 warps hit an illegal address in GDN at
 # V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 4 warps passed the V >= 64 shapes); GDN's _bwd_wy at 4
