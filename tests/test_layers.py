@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from retrofit.convert.distill import AttentionCapture
 from retrofit.convert.init import init_from_attention
 from retrofit.layers import LAYER_TYPES, AttentionShape, LinearAttentionSpec
-from retrofit.layers.common import use_backend
+from retrofit.kernels import use_backend
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retrofit.convert.hybrid import load_hybrid
+from retrofit.hybrid import load_hybrid
 from retrofit.convert.pipeline import convert
 from retrofit.layers import LAYER_TYPES, AttentionShape, LinearAttentionSpec
 from retrofit.convert.init import init_from_attention
-from retrofit.layers.common import use_backend
+from retrofit.kernels import use_backend
 
 pytestmark = pytest.mark.gpu
 

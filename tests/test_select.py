@@ -9,7 +9,7 @@ from retrofit.convert.command import select_command
 from retrofit.convert.data import token_windows
 from retrofit.convert.distill import kl_loss
 from retrofit.errors import RetrofitError
-from retrofit.select import choose, layer_count, parse_layer_spec, ranking_table, score_layers
+from retrofit.convert.selection import choose, layer_count, parse_layer_spec, ranking_table, score_layers
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -71,7 +71,7 @@ def test_complement_is_exactly_what_the_spec_leaves_out(num_layers, inner):
 
 
 def test_not_every_4_is_three_of_four_layers():
-    # the llama3-8b hybrid of issue #6: 24 of 32 layers converted, softmax attention kept at 3, 7, ..., 31
+    # the llama3-8b hybrid of BENCHMARKS.md (End-to-end generation, 2026-11-30): 24 of 32 layers converted, softmax attention kept at 3, 7, ..., 31
     parsed = parse_layer_spec("not:every:4", 32)
     assert len(parsed.indices) == 24 and set(range(3, 32, 4)).isdisjoint(parsed.indices)
 

@@ -20,7 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from retrofit.kernels.sparse_decode import selected_positions
 from retrofit.sparse import METHODS, SparseCache, SparseLayer, sparse_decoding
-from retrofit.sparse.gates import train_gates
+from retrofit.sparse.methods.seer.training import train_gates
 
 NEW_TOKENS = int(os.environ.get("RETROFIT_SPARSE_NEW_TOKENS", 64))
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village near the mountains, there lived an old"]
@@ -247,7 +247,8 @@ def test_budget_covering_context_generates_dense_tokens_cuda_triton(name, smollm
 
 def test_hybrid_model_sparsifies_only_softmax_layers(smollm2):
     """A GDN hybrid (layers 3 and 7 converted): the 28 softmax layers go sparse, the linear layers keep their state."""
-    from retrofit.convert.hybrid import HybridSection, to_hybrid
+    from retrofit.convert.build import to_hybrid
+    from retrofit.hybrid import HybridSection
     from retrofit.sparse import softmax_attention_layers
 
     model, tokenizer = smollm2

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from click.testing import CliRunner
 
-from retrofit.sparse.gates import calibration_chunks, capture_gate_losses, train_gates, with_repeated_span
+from retrofit.sparse.methods.seer.training import calibration_chunks, capture_gate_losses, train_gates, with_repeated_span
 from retrofit.sparse.methods.seer import SeerGates
 
 SETTINGS = dict(seq_len=128, block_size=16, hidden=32, queries=8, lr=3e-3, progress=False)
@@ -81,7 +81,7 @@ def test_training_sequences_start_at_seeded_random_positions(smollm2, calib_data
     # gates read post-RoPE queries and keys: trained at one set of positions they do not carry to others (CPU,
     # niah_single@2048: 100% of dense at the trained positions, 10% at positions 5952-8000), so each training
     # sequence starts at a random position within the model's 8192
-    from retrofit.sparse.gates import position_offsets_for
+    from retrofit.sparse.methods.seer.training import position_offsets_for
 
     model, tokenizer = smollm2
     config = model.config
@@ -107,9 +107,9 @@ def test_training_sequences_start_at_seeded_random_positions(smollm2, calib_data
 
 
 def test_sequence_lengths_between_min_and_max_cover_the_tokens(smollm2, calib_data_dir, tmp_path):
-    # GPU table (session 5): gates trained on sequences of 4096 keep 45% of dense on niah_single@8000; prompts that
+    # GPU table (BENCHMARKS.md, Sparse decoding: accuracy, 2026-11-30): gates trained on sequences of 4096 keep 45% of dense on niah_single@8000; prompts that
     # long need long training sequences, which still have to start at varied positions (see above)
-    from retrofit.sparse.gates import position_offsets_for, sequence_lengths
+    from retrofit.sparse.methods.seer.training import position_offsets_for, sequence_lengths
 
     lengths = sequence_lengths(10_000, 512, 128, 64, seed=0)
     assert lengths == sequence_lengths(10_000, 512, 128, 64, seed=0)  # seeded: resume sees the same sequences
@@ -152,7 +152,7 @@ def test_gates_cli_default_lengths_follow_the_model():
     # H200), shorter for models with a shorter maximum length, in whole blocks
     from types import SimpleNamespace
 
-    from retrofit.sparse.gates import default_seq_lens
+    from retrofit.sparse.methods.seer.training import default_seq_lens
 
     assert default_seq_lens(SimpleNamespace(max_position_embeddings=8192), 64) == (8192, 2048)
     assert default_seq_lens(SimpleNamespace(max_position_embeddings=131072), 64) == (8192, 2048)

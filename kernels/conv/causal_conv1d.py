@@ -1,6 +1,6 @@
 """Short causal depthwise convolution (kernel width ``W``, typically 4) in Triton: prefill and decode.
 
-Same convention as ``retrofit.kernels.conv.reference`` (``weight[:, W - 1]`` multiplies the current
+Same convention as ``reference.py`` beside it (``weight[:, W - 1]`` multiplies the current
 input; the state holds the last ``W - 1`` inputs, oldest first). Prefill (``causal_conv1d``) is
 differentiable in ``x``, ``weight``, ``bias`` and ``initial_state``; its backward is two Triton
 kernels (recompute the pre-activation and form ``dz``, ``dweight``/``dbias`` partial sums per time
@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..backend import implementation
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -206,7 +208,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         return dx, dweight, dbias, dinit, None
 
 
-def causal_conv1d(
+def causal_conv1d_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -254,7 +256,7 @@ def causal_conv1d(
     return y, final_state
 
 
-def causal_conv1d_update(
+def causal_conv1d_update_triton(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
@@ -293,3 +295,16 @@ def causal_conv1d_update(
         W=W, BW=max(2, triton.next_power_of_2(W - 1)), BD=BD, HAS_BIAS=bias is not None, SILU=silu,
     )
     return y
+
+
+def causal_conv1d(x, weight, bias=None, activation="silu", initial_state=None, output_final_state=False):
+    """Causal depthwise conv over time (prefill): ``x [B, T, D]``, ``weight [D, W]`` -> ``(y [B, T, D], final state
+    [B, D, W - 1] or None)``; arguments and returns as :func:`causal_conv1d_triton`. Triton or the PyTorch path
+    (``reference.naive_causal_conv1d``) as ``retrofit.kernels.backend`` picks for ``x``'s device."""
+    return implementation("causal_conv1d", x.device)(x, weight, bias, activation, initial_state, output_final_state)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation="silu"):
+    """One decode step: ``x [B, D]`` or ``[B, 1, D]``, rolls ``conv_state [B, D, W - 1]`` in place -> ``y`` like ``x``;
+    as :func:`causal_conv1d_update_triton`, on the backend ``retrofit.kernels.backend`` picks for ``x``'s device."""
+    return implementation("causal_conv1d_update", x.device)(x, conv_state, weight, bias, activation)

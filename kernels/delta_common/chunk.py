@@ -78,8 +78,6 @@ The launch constants below are read when a kernel is launched, so assigning them
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
@@ -491,30 +489,20 @@ def _validate(q, k, v, g, beta, initial_state, per_channel):
             raise ValueError(f"initial_state: on {initial_state.device}, expected {q.device} like q")
 
 
-def _triton_usable(device):
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def chunk_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                     per_channel=False):
-    """Chunked gated delta rule; the body of ``chunk_gated_delta_rule`` (per_channel=False, g [B, T, H]) and
-    ``chunk_kda`` (per_channel=True, g [B, T, H, K]).
+def chunk_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                            per_channel=False):
+    """Chunked gated delta rule on the Triton kernels; the Triton path of ``chunk_gated_delta_rule``
+    (per_channel=False, g [B, T, H]) and ``chunk_kda`` (per_channel=True, g [B, T, H, K]).
 
     q [B, T, Hq, K], k [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state [B, H, K, V] or None.
-    Returns (o [B, T, Hq, V] in v's dtype, final state [B, H, K, V] float32 or None). CUDA tensors run the
-    Triton kernels (so do CPU tensors under TRITON_INTERPRET=1); other CPU tensors run the float64 chunked
-    specification (differentiable through autograd). Raises ValueError naming the offending argument.
+    Returns (o [B, T, Hq, V] in v's dtype, final state [B, H, K, V] float32 or None). CUDA tensors, or CPU
+    tensors under TRITON_INTERPRET=1. Raises ValueError naming the offending argument.
     """
     _validate(q, k, v, g, beta, initial_state, per_channel)
     K = q.shape[-1]
     if scale is None:
         scale = K ** -0.5
     scale = float(scale)
-    if not _triton_usable(q.device):
-        # No GPU and no Triton interpreter: the float64 chunked specification (differentiable by autograd).
-        from .reference import naive_chunk
-        o, s = naive_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, per_channel=per_channel)
-        return o, (s.float() if s is not None else None)
     if q.shape[1] == 0:
         B, _, Hq, _ = q.shape
         o = q.new_zeros(B, 0, Hq, v.shape[-1], dtype=v.dtype)

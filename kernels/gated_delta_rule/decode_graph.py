@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule
-from retrofit.kernels.kda.fused_recurrent import fused_recurrent_kda
+from ..kda.fused_recurrent import fused_recurrent_kda
+from .fused_recurrent import fused_recurrent_gated_delta_rule
 
 
 class RecurrentDecodeGraph:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import implementation
 from ..device import multiprocessors
 
 
@@ -248,7 +249,7 @@ def fused_recurrent_gated_delta_rule(
 
     q, k, v may be bf16 or fp32; the state is accumulated in fp32.
     """
-    return fused_recurrent_delta_rule(
+    return implementation("recurrent_delta_rule", q.device)(
         q, k, v, g, beta, scale, initial_state, output_final_state, inplace_state,
         per_key_decay=False, op_name="fused_recurrent_gated_delta_rule",
     )

@@ -1,11 +1,12 @@
 """Chunked Kimi Delta Attention (per-channel decay): Triton forward and backward.
 
 The kernels live in kernels/delta_common/chunk_{fwd,bwd}_kernels.py, launched by delta_common/chunk.py (shared
-with GDN); this module is the public entry.
+with GDN); this module is the public entry. Where Triton does not run (``retrofit.kernels.backend``), the same call
+runs the PyTorch chunked form (``delta_common/reference.py``).
 """
 from __future__ import annotations
 
-from ..delta_common.chunk import chunk_delta_rule
+from ..backend import implementation
 
 __all__ = ["chunk_kda"]
 
@@ -18,4 +19,5 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Clamp g from below in the layer (about -5 per step) for numerically meaningful gates.
     Returns (o [B, T, Hq, V] in v's dtype, final state [B, H, K, V] float32 if output_final_state else None).
     """
-    return chunk_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, per_channel=True)
+    return implementation("chunk_delta_rule", q.device)(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                       per_channel=True)

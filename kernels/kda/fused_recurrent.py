@@ -2,7 +2,7 @@
 
 KDA is the gated delta rule with a per-key-channel decay, ``S_t = Diag(exp(g_t)) S_{t-1}`` with
 ``g_t in R^K`` (``/work/shared/design/gated_delta_rule.md``). It runs on the same Triton kernel as
-GDN's recurrent form (``retrofit.kernels.gated_delta_rule.fused_recurrent``) with the per-key decay
+GDN's recurrent form (``gated_delta_rule/fused_recurrent.py``) with the per-key decay
 switched on at compile time. Inference only (no autograd graph on the outputs).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_delta_rule
+from ..backend import implementation
 
 
 def fused_recurrent_kda(
@@ -40,7 +40,7 @@ def fused_recurrent_kda(
     Returns:
         ``(o, state)``: ``o`` ``[B, T, H_q, V]`` in ``v``'s dtype; ``state`` ``[B, H, K, V]`` float32 or None.
     """
-    return fused_recurrent_delta_rule(
+    return implementation("recurrent_delta_rule", q.device)(
         q, k, v, g, beta, scale, initial_state, output_final_state, inplace_state,
         per_key_decay=True, op_name="fused_recurrent_kda",
     )

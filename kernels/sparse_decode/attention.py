@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import implementation
 from ..device import multiprocessors
 
 _LOG2E = 1.4426950408889634
@@ -121,7 +122,7 @@ def _default_splits(rows: int, max_tokens: int, block_n: int, device: torch.devi
     return max(1, min(splits, math.ceil(max_tokens / block_n), 64))
 
 
-def sparse_decode_attention(
+def sparse_decode_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -134,7 +135,8 @@ def sparse_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one decode token over the selected blocks of the cache (Triton).
+    """Attention of one decode token over the selected blocks of the cache: the Triton path of
+    :func:`sparse_decode_attention`.
 
     q [B, Hq, D]; k, v [B, Hkv, N, D] (last dim contiguous); indices [B, Hkv, S] int (block ids of ``block_size``
     positions); counts [B, Hkv] int (valid entries per row, ragged); kv_start, kv_end [B] int (valid positions
@@ -179,3 +181,17 @@ def sparse_decode_attention(
         NUM_SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
     )
     return out
+
+
+def sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size=1, scale=None, **launch):
+    """Attention of one decode token over the selected blocks of the cache.
+
+    q [B, Hq, D]; k, v [B, Hkv, N, D]; indices [B, Hkv, S] block ids of ``block_size`` positions; counts [B, Hkv]
+    valid entries per row; kv_start, kv_end [B] (valid positions ``kv_start <= pos < kv_end``) -> o [B, Hq, D] in
+    q's dtype. Triton (:func:`sparse_decode_attention_triton`) or ``reference.sparse_decode_attention_ref``, as
+    ``retrofit.kernels.backend`` picks for q's device; ``launch`` (``num_splits``, ``block_n``) tunes the Triton
+    launch and is not used by the PyTorch path.
+    """
+    run = implementation("sparse_decode_attention", q.device)
+    tuning = launch if run is sparse_decode_attention_triton else {}
+    return run(q, k, v, indices, counts, kv_start, kv_end, block_size=block_size, scale=scale, **tuning)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import implementation
+
 
 @triton.jit
 def _group_scores_kernel(
@@ -88,11 +90,11 @@ def _launch(q, upper, lower, kv_start, num_blocks, block_size, bounds):
     return out
 
 
-def quest_page_scores(
+def quest_page_scores_triton(
     q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, num_pages: int, kv_start: torch.Tensor,
     page_size: int,
 ) -> torch.Tensor:
-    """Quest page scores (Triton).
+    """Quest page scores: the Triton path of :func:`quest_page_scores`.
 
     q [B, Hq, D], page_min/page_max [B, Hkv, P, D] (P >= num_pages, last dim contiguous), kv_start [B] int
     -> scores [B, Hkv, num_pages] fp32; pages made only of left padding (end <= kv_start) get -inf.
@@ -101,10 +103,21 @@ def quest_page_scores(
     return _launch(q, page_max, page_min, kv_start, num_pages, page_size, True)
 
 
-def cluster_scores(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int) -> torch.Tensor:
-    """``q . centroid`` maxed over each GQA group (Triton).
+def cluster_scores_triton(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int) -> torch.Tensor:
+    """``q . centroid`` maxed over each GQA group: the Triton path of :func:`cluster_scores`.
 
     q [B, Hq, D], centroids [B, Hkv, C, D] (C >= num_clusters) -> scores [B, Hkv, num_clusters] fp32.
     """
     dummy_start = torch.zeros(q.shape[0], device=q.device, dtype=torch.int32)
     return _launch(q, centroids, centroids, dummy_start, num_clusters, 1, False)
+
+
+def quest_page_scores(q, page_min, page_max, num_pages, kv_start, page_size):
+    """Quest page scores: q [B, Hq, D], page_min/page_max [B, Hkv, P, D], kv_start [B] -> [B, Hkv, num_pages] fp32
+    (``sum_d max(q_d max_d, q_d min_d)``, max over the GQA group; pages of left padding only get -inf)."""
+    return implementation("quest_page_scores", q.device)(q, page_min, page_max, num_pages, kv_start, page_size)
+
+
+def cluster_scores(q, centroids, num_clusters):
+    """``q . centroid`` maxed over each GQA group: q [B, Hq, D], centroids [B, Hkv, C, D] -> [B, Hkv, num_clusters]."""
+    return implementation("cluster_scores", q.device)(q, centroids, num_clusters)

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from retrofit.kernels.sparse_decode.reference import topk_indices_ref
+from ..backend import implementation
+from .reference import topk_indices_ref
 
 MAX_ROW = 16384
 
@@ -51,8 +52,9 @@ def _topk_kernel(scores_ptr, out_ptr, stride_s, stride_o, P, k, BLOCK: tl.conste
     _store_selected(out_ptr + row * stride_o, offs, ok, key, threshold, k)
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` largest scores of each row, ascending; ties go to the lower position (Triton).
+def topk_indices_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` largest scores of each row, ascending; ties go to the lower position: the Triton path
+    of :func:`topk_indices`.
 
     scores [R, P] (fp32, no NaN; -inf allowed), 1 <= k <= P -> indices [R, k] int32.
     """
@@ -68,3 +70,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     _topk_kernel[(R,)](scores, out, scores.stride(0), out.stride(0), P, k, BLOCK=block,
                        num_warps=8 if block >= 4096 else 4)
     return out
+
+
+def topk_indices(scores, k):
+    """scores [R, P] (fp32) -> the positions of each row's ``k`` largest scores [R, k] int32, ascending; ties go to the
+    lower position. Triton or ``reference.topk_indices_ref`` (identical results), as the backend picks."""
+    return implementation("topk_indices", scores.device)(scores, k)

@@ -55,14 +55,16 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
                   sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
                   json_path: Path | None) -> None:
+    from retrofit.atomic import write_json
     from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
     from retrofit.bench.measure import run_bench
     from retrofit.bench.report import markdown_table, variant_notes
-    from retrofit.eval.command import default_dtype, library_versions, parse_lengths
-    from retrofit.eval.loglikelihood import max_model_length
-    from retrofit.eval.runner import write_json_atomic
-    from retrofit.eval.variants import variants_from_options
-    from retrofit.load import load, parse_device, parse_dtype
+    from retrofit.cliargs import parse_lengths
+    from retrofit.devices import default_dtype, parse_device, parse_dtype
+    from retrofit.load import load
+    from retrofit.model_info import max_model_length
+    from retrofit.run_info import library_versions
+    from retrofit.variants import variants_from_options
 
     context_list = list(parse_lengths(contexts, "--context"))
     batch_list = list(parse_lengths(batches, "--batch"))
@@ -101,5 +103,5 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
 
         config["gpu"] = torch.cuda.get_device_name(torch_device)
     if json_path is not None:
-        write_json_atomic(json_path, {"results": [point.to_json() for point in points], "config": config})
+        write_json(json_path, {"results": [point.to_json() for point in points], "config": config})
     click.echo(markdown_table(points, variant_notes(details)))

@@ -1,9 +1,9 @@
 """Prefill and decode latency, tokens/s, peak memory and cache bytes of one (context, batch) point.
 
-Both phases run through the model's own ``generate`` (greedy, a fixed number of new tokens), so a variant that
-patches generation (sparse decoding installs its cache there) is the path that is timed. A logits processor
-stamps the time after every step (after a device synchronize): the first stamp ends the prefill, the following
-``decode_tokens`` stamps are single-token decode steps.
+Both phases run through ``retrofit.generation`` (the prefill, then greedy single-token decode steps), the loop
+``retrofit generate`` and eval use, on the model as the variant opened it (sparse decoding installs its cache and
+attention on the model's forward), so the timed path is the one users run. The device is synchronised after the
+prefill and after every decode step, and each is timed on its own.
 """
 from __future__ import annotations
 
@@ -47,20 +47,6 @@ class BenchPoint:
         return record
 
 
-class _StepClock:
-    """A logits processor that records ``time.perf_counter()`` after each generation step."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stamps.append(time.perf_counter())
-        return scores
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -68,29 +54,28 @@ def _synchronize(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_point(model, variant: str, context: int, batch: int, decode_tokens: int, seed: int = 0) -> BenchPoint:
-    """Greedy-generate ``decode_tokens`` tokens after a random prompt ``[batch, context]``; see module doc."""
-    from transformers import LogitsProcessorList
+    """Prefill a random prompt ``[batch, context]``, then ``decode_tokens`` greedy decode steps; see module doc."""
+    from retrofit.generation import decode_step, greedy, prefill
 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     vocab = model.get_output_embeddings().weight.shape[0]
     input_ids = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
-    attention_mask = torch.ones_like(input_ids)
-    clock = _StepClock(device)
     _synchronize(device)
     with MemoryProbe(device) as probe:
         began = time.perf_counter()
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1,
-                                logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
-                                pad_token_id=0, temperature=None, top_p=None, top_k=None)
-    cache = output.cache if "cache" in output else output.get("past_key_values")  # renamed in transformers 5
-    cache_bytes = tensor_bytes(cache)
-    del cache
-    del output
-    prefill = clock.stamps[0] - began
-    decode = (clock.stamps[-1] - clock.stamps[0]) / decode_tokens if decode_tokens else float("nan")
-    return BenchPoint(variant, context, batch, decode_tokens, prefill, decode, probe.result.peak,
+        logits, state = prefill(model, input_ids)
+        tokens = greedy(logits)
+        _synchronize(device)
+        prefilled = time.perf_counter()
+        for _ in range(decode_tokens):
+            tokens = greedy(decode_step(model, tokens, state))
+        _synchronize(device)
+        decoded = time.perf_counter()
+    cache_bytes = tensor_bytes(state.cache)
+    del state
+    decode = (decoded - prefilled) / decode_tokens if decode_tokens else float("nan")
+    return BenchPoint(variant, context, batch, decode_tokens, prefilled - began, decode, probe.result.peak,
                       probe.result.delta, cache_bytes, probe.result.kind)
 
 
@@ -110,7 +95,7 @@ def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int
 
     Variants run one at a time: whatever a variant built (a converted model's new layers) is released, and on CUDA
     the allocator's cache emptied, before the next one opens."""
-    from retrofit.eval.variants import dense
+    from retrofit.variants import dense
 
     points = []
     device = next(model.parameters()).device

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from pathlib import Path
 
 import torch
 
+from retrofit.atomic import torch_save
 from retrofit.errors import RetrofitError
 
 STATE_FILE = "train_state.pt"
@@ -103,16 +103,7 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor])
 
 def save_train_state(work_dir: Path, state: dict) -> Path:
     """Write ``state`` to ``work_dir/train_state.pt`` through a temporary file renamed into place."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".train_state.", suffix=".tmp", dir=work_dir)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, work_dir / STATE_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return work_dir / STATE_FILE
+    return torch_save(state, work_dir / STATE_FILE)
 
 
 def load_train_state(work_dir: Path, fingerprint: dict) -> dict | None:

@@ -93,14 +93,11 @@ def _seconds_so_far(out: str) -> float:
 
 def _record_seconds(out: str, seconds: float) -> None:
     """Remember the wall time of all parts so far beside the training checkpoint (temp file, then rename)."""
-    import os
+    from retrofit.atomic import write_text
 
     path = _seconds_file(out)
-    if not path.parent.is_dir():
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{seconds:.1f}")
-    os.replace(tmp, path)
+    if path.parent.is_dir():
+        write_text(path, f"{seconds:.1f}")
 
 
 @click.command("select")
@@ -118,11 +115,12 @@ def _record_seconds(out: str, seconds: float) -> None:
 def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows, device, quiet):
     """Rank MODEL's layers by the cost of converting each one (scored selector) and print the chosen --layers."""
     from retrofit.convert.data import token_windows
+    from retrofit.convert.selection import choose, parse_layer_spec, ranking_table, score_layers
+    from retrofit.devices import parse_device
     from retrofit.errors import RetrofitError
     from retrofit.layers import LAYER_TYPES
-    from retrofit.load import load, parse_device
+    from retrofit.load import load
     from retrofit.model_info import attention_layout
-    from retrofit.select import choose, parse_layer_spec, ranking_table, score_layers
 
     LAYER_TYPES.get(to)
     parse_layer_spec(f"fraction:{fraction}", 1)

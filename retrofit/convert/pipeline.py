@@ -56,7 +56,7 @@ def _init_distributed(device: str | None) -> torch.device:
     """Under torchrun, start the process group (NCCL on GPU) and return this rank's device."""
     import torch.distributed as dist
 
-    from retrofit.load import parse_device
+    from retrofit.devices import parse_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and dist.is_available() and not dist.is_initialized():
@@ -148,9 +148,10 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     from retrofit.convert.checkpoint import work_dir_for
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
-    from retrofit.convert.hybrid import HybridSection, save_hybrid, to_hybrid
+    from retrofit.convert.build import to_hybrid
+    from retrofit.convert.selection import choose, parse_layer_spec, ranking_table, score_layers
+    from retrofit.hybrid import HybridSection, save_hybrid
     from retrofit.model_info import attention_layout
-    from retrofit.select import choose, parse_layer_spec, ranking_table, score_layers
 
     rank, world = distributed()
     layout = attention_layout(dense)

@@ -7,6 +7,6 @@
 """
 from retrofit.eval.runner import EvalReport, run_eval
 from retrofit.eval.tasks import TASKS, EvalSettings, build_jobs
-from retrofit.eval.variants import VARIANT_KINDS, Variant
+from retrofit.variants import VARIANT_KINDS, Variant
 
 __all__ = ["EvalReport", "EvalSettings", "TASKS", "VARIANT_KINDS", "Variant", "build_jobs", "run_eval"]

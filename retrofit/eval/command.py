@@ -1,12 +1,12 @@
 """`retrofit eval`: accuracy of dense and of each variant on the same items, as one Markdown table."""
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import click
 
+from retrofit.cliargs import parse_lengths, parse_pairs
 from retrofit.errors import RetrofitError
 
 EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same items; print one Markdown table
@@ -37,43 +37,12 @@ Examples:
 """
 
 
-def parse_lengths(text: str, option: str) -> tuple[int, ...]:
-    """``"1k,4096,32K"`` -> ``(1024, 4096, 32768)``; anything else is a one-line user error."""
-    lengths = []
-    for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
-        if not match:
-            raise RetrofitError(f"{option}: expected comma-separated token counts like 1k,4096, got {text!r}")
-        value = int(match.group(1)) * (1024 if match.group(2) else 1)
-        if value <= 0:
-            raise RetrofitError(f"{option}: lengths must be positive, got {part.strip()!r}")
-        lengths.append(value)
-    return tuple(lengths)
-
-
 def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
-    files = {}
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or not name or not path:
-            raise RetrofitError(f"--task-file expects NAME=PATH, got {pair!r}")
-        files[name] = Path(path)
-    return files
-
-
-def library_versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    import retrofit
-
-    return {"retrofit": retrofit.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def default_dtype(device: str) -> str:
-    from retrofit.load import parse_device
-
-    return "bfloat16" if parse_device(device).type == "cuda" else "float32"
+    files = parse_pairs(pairs, "--task-file")
+    for name, path in files.items():
+        if not path:
+            raise RetrofitError(f"--task-file expects NAME=PATH, got {name}=")
+    return {name: Path(path) for name, path in files.items()}
 
 
 @click.command("eval", help=EVAL_HELP, short_help="Accuracy of dense vs variants (ppl, multiple choice, RULER-style).")
@@ -110,11 +79,14 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
                  batch_size: int, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
                  budgets: tuple[int, ...], sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...],
                  variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None) -> None:
-    from retrofit.eval.runner import run_eval, write_json_atomic
+    from retrofit.atomic import write_json
+    from retrofit.devices import default_dtype
+    from retrofit.eval.runner import run_eval
     from retrofit.eval.table import markdown_table
     from retrofit.eval.tasks import EvalSettings, build_jobs
-    from retrofit.eval.variants import variants_from_options
     from retrofit.load import load
+    from retrofit.run_info import library_versions
+    from retrofit.variants import variants_from_options
 
     if batch_size <= 0:
         raise RetrofitError(f"--batch-size must be positive, got {batch_size}")
@@ -142,7 +114,7 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
     report = run_eval(loaded, tokenizer, jobs, variants, batch_size, config)
     report.config["wall_seconds"] = time.perf_counter() - began
     if json_path is not None:
-        write_json_atomic(json_path, report.to_json())
+        write_json(json_path, report.to_json())
     if plot_path is not None:
         from retrofit.eval.plot import save_plot
 

@@ -1,7 +1,7 @@
 """Batched greedy generation with LEFT padding (the long-context synthetic tasks decode through it).
 
-It calls the model's own ``generate`` so that a variant that patches generation (sparse decoding installs its
-cache and attention there) is the path that is measured.
+It runs ``retrofit.generation.decode_n`` on the model as the variant opened it, so a variant that patches decoding
+(sparse decoding installs its cache and attention on the model's forward) is the path that is measured.
 """
 from __future__ import annotations
 
@@ -10,14 +10,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from retrofit.eval.loglikelihood import Throughput, model_device
-
-
-def pad_token_id(tokenizer) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+from retrofit.eval.loglikelihood import Throughput
+from retrofit.generation import decode_n, eos_token_ids, left_padded, pad_token_id
+from retrofit.model_info import model_device
 
 
 @torch.no_grad()
@@ -25,9 +20,9 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
                     desc: str = "generate", throughput: Throughput | None = None) -> list[str]:
     """Greedy continuations of token-id ``prompts``, decoded without special tokens.
 
-    Rows of a batch are left-padded to the longest prompt with ``attention_mask`` zeros on the padding (the
-    model derives position ids from the mask). Prompts are grouped by length to keep padding small; the output
-    order is that of ``prompts``.
+    Rows of a batch are left-padded to the longest prompt with ``attention_mask`` zeros on the padding (positions
+    count real tokens only). Prompts are grouped by length to keep padding small; the output order is that of
+    ``prompts``.
     """
     device = model_device(model)
     pad = pad_token_id(tokenizer)
@@ -36,22 +31,15 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     progress = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
     for start in range(0, len(order), batch_size):
         indices = order[start:start + batch_size]
-        width = max(len(prompts[index]) for index in indices)
-        input_ids = torch.full((len(indices), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros(len(indices), width, dtype=torch.long)
-        for slot, index in enumerate(indices):
-            prompt = prompts[index]
-            input_ids[slot, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[slot, width - len(prompt):] = 1
+        input_ids, attention_mask = left_padded([prompts[index] for index in indices], pad, device)
         began = time.perf_counter()
-        generated = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                   max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                   temperature=None, top_p=None, top_k=None)
+        generated = decode_n(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos_token_ids(model, tokenizer), pad_token_id=pad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        new_tokens = generated[:, width:]
+        new_tokens = generated[:, input_ids.shape[1]:]
         if throughput is not None:
-            produced = int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel()
+            produced = int((new_tokens != pad).sum())
             throughput.add(Throughput(int(attention_mask.sum()) + produced, time.perf_counter() - began))
         for slot, index in enumerate(indices):
             outputs[index] = tokenizer.decode(new_tokens[slot].tolist(), skip_special_tokens=True)

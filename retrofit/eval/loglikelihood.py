@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from retrofit.model_info import max_model_length, model_device
+
 
 @dataclass(frozen=True)
 class Request:
@@ -55,15 +57,6 @@ def encode_pair(tokenizer, context: str, continuation: str) -> Request:
     context_ids = tokenizer.encode(context, add_special_tokens=False)
     whole_ids = tokenizer.encode(context + continuation, add_special_tokens=False)
     return Request(tuple(context_ids), tuple(whole_ids[len(context_ids):]))
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def max_model_length(model) -> int:
-    """The model's position limit (``config.max_position_embeddings``), or a very large number if unknown."""
-    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
 
 
 @torch.no_grad()

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from retrofit.errors import RetrofitError
-from retrofit.eval.loglikelihood import Throughput, model_device
+from retrofit.eval.loglikelihood import Throughput
+from retrofit.model_info import model_device
 
 
 def token_windows(tokenizer, text: str, seq_len: int, limit: int | None = None) -> torch.Tensor:

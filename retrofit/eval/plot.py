@@ -3,10 +3,8 @@ per other task/metric (a bar per variant). Needs matplotlib (the ``test`` extra)
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from pathlib import Path
 
+from retrofit.atomic import atomic_path
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.table import metric_label, shown_value
@@ -52,13 +50,8 @@ def save_plot(report: EvalReport, path: Path) -> None:
     for axis in flat[count:]:
         axis.set_visible(False)
     figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(handle)
     try:
-        figure.savefig(temporary, dpi=120)
-        os.replace(temporary, path)
+        with atomic_path(path) as temporary:
+            figure.savefig(temporary, dpi=120, format="png")
     finally:
         plt.close(figure)
-        Path(temporary).unlink(missing_ok=True)

@@ -1,15 +1,11 @@
 """Run every job on dense and then on each variant, on the same items; collect metrics and tokens/s."""
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.tasks import Job
-from retrofit.eval.variants import Variant, dense
+from retrofit.variants import Variant, dense
 
 
 @dataclass
@@ -42,18 +38,3 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
         report.throughput[variant.name] = {"tokens": float(throughput.tokens), "seconds": throughput.seconds,
                                            "tokens_per_s": throughput.tokens_per_second}
     return report
-
-
-def write_json_atomic(path: Path, payload: dict[str, object]) -> None:
-    """Write ``payload`` as JSON to a temporary file beside ``path``, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(payload, out, indent=2, sort_keys=False)
-            out.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

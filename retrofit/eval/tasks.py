@@ -17,7 +17,8 @@ from typing import Callable
 from retrofit.errors import RetrofitError
 from retrofit.eval import lambada, multiple_choice, perplexity, synthetic
 from retrofit.eval.generation import greedy_generate
-from retrofit.eval.loglikelihood import Throughput, max_model_length
+from retrofit.eval.loglikelihood import Throughput
+from retrofit.model_info import max_model_length
 from retrofit.registry import Registry
 
 DEFAULT_SYNTHETIC_ITEMS = 20

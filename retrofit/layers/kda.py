@@ -2,7 +2,8 @@
 
 Gated DeltaNet with a per-key-channel decay from a low-rank projection,
 ``g = -exp(A_log) * softplus(W_up W_down x + dt_bias)`` (``[B, T, H_kv, head_dim]``, clamped from below), and a
-sigmoid low-rank output gate. Everything else (projections, conv, norm, cache, GQA) is shared with GDN.
+sigmoid low-rank output gate. Everything else (projections, conv, norm, cache, GQA) is the delta-rule forward of
+``delta_rule.py``, shared with GDN.
 """
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from retrofit.layers.common import init_decay
-from retrofit.layers.gated_deltanet import GatedDeltaNetAttention, logit
+from retrofit.kernels import chunk_kda, fused_recurrent_kda
+from retrofit.layers.delta_rule import DeltaRuleAttention
+from retrofit.layers.modules import init_decay, logit
 
 
-class KimiDeltaAttention(GatedDeltaNetAttention):
-    """KDA layer; same constructor, forward signature and cache layout as :class:`GatedDeltaNetAttention`."""
+class KimiDeltaAttention(DeltaRuleAttention):
+    """KDA layer; constructor, forward and cache layout of :class:`DeltaRuleAttention`."""
 
-    layer_kind = retrofit_layer_type = "kda"
+    layer_kind = "kda"
+    chunk_op = staticmethod(chunk_kda)
+    recurrent_op = staticmethod(fused_recurrent_kda)
 
     def _build_gates(self) -> None:
         hidden, hq, hk, d = self.shape.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim

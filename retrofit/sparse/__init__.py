@@ -1,10 +1,17 @@
 """Training-free sparse decoding: StreamingLLM, Quest, ClusterKV, RetrievalAttention (faiss), SeerAttention.
 
 ``with sparse_decoding(model, method="quest", budget=2048): model.generate(...)``.
+
+``contract.py`` (what a method is), ``registry.py`` (methods by name), ``params.py`` (``--sparse-arg`` values),
+``cache.py`` (the cache and the layer API methods use), ``attention_functions.py`` (scoped attention functions),
+``patch.py`` (the context manager), ``methods/`` (one small file per method; Seer's folder holds its gate training).
 """
-from retrofit.sparse.base import METHODS, Selection, SparseMethod, build_method, parse_sparse_args
+from retrofit.sparse.attention_functions import softmax_attention_layers
 from retrofit.sparse.cache import SparseCache, SparseLayer
-from retrofit.sparse.patch import SparseSession, softmax_attention_layers, sparse_decoding
+from retrofit.sparse.contract import Selection, SparseMethod
+from retrofit.sparse.params import parse_sparse_args
+from retrofit.sparse.patch import SparseSession, sparse_decoding
+from retrofit.sparse.registry import METHODS, build_method
 from retrofit.sparse import methods as _methods  # noqa: F401  (registers the built-in methods)
 
 __all__ = [

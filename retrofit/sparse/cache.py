@@ -14,7 +14,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 from retrofit.errors import RetrofitError
 
 if TYPE_CHECKING:
-    from retrofit.sparse.base import SparseMethod
+    from retrofit.sparse.contract import SparseMethod
 
 _GROW_MIN = 256
 
@@ -22,69 +22,101 @@ _GROW_MIN = 256
 class SparseLayer(CacheLayerMixin):
     """One softmax-attention layer's cache.
 
-    ``keys``/``values`` [B, Hkv, capacity, D] buffers; positions ``[0, length)`` are written; row ``b``'s valid
-    positions are ``kv_start[b] <= pos < kv_end[b]`` ([B] int32; left padding lies before ``kv_start``).
-    ``seen`` counts every token ever appended (what transformers calls the sequence length).
+    What a method reads: ``keys``/``values`` [B, Hkv, capacity, D] buffers, of which positions ``[0, length)`` are
+    written; row ``b``'s valid positions ``kv_start[b] <= pos < kv_end[b]`` ([B] int32; left padding lies before
+    ``kv_start``); ``seen``, every token ever appended (what transformers calls the sequence length); ``meta``, the
+    method's own metadata (its to change). The buffers change only through :meth:`write` (append),
+    :meth:`write_rows` (one token per row at per-row positions) and :meth:`compact` (keep chosen positions only).
     """
 
     is_sliding = False
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, method: "SparseMethod", kernel: str = "auto"):
-        super().__init__()
+    def __init__(self, layer_idx: int, method: "SparseMethod"):
+        # CacheLayerMixin.__init__ only assigns keys/values (read-only here) and is_initialized.
+        self.is_initialized = False
         self.layer_idx = layer_idx
         self.method = method
-        self.kernel = kernel
-        self.length = 0
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._length = 0
+        self._kv_start: torch.Tensor | None = None
+        self._kv_end: torch.Tensor | None = None
         self.seen = 0
-        self.kv_start: torch.Tensor | None = None
-        self.kv_end: torch.Tensor | None = None
         self.meta: dict[str, Any] = {}
         self.padding_known = False
         self.new_start = 0
         self.returned_keys: torch.Tensor | None = None
         self.sparse_steps = 0  # decode steps that ran the sparse kernel (not the dense fallback)
 
+    # -- what methods read ---------------------------------------------------------------------------------------
+    keys = property(lambda self: self._keys, doc="[B, Hkv, capacity, D] key buffer.")
+    values = property(lambda self: self._values, doc="[B, Hkv, capacity, D] value buffer.")
+    length = property(lambda self: self._length, doc="Positions [0, length) of the buffers are written.")
+    kv_start = property(lambda self: self._kv_start, doc="[B] int32: first valid position of each row.")
+    kv_end = property(lambda self: self._kv_end, doc="[B] int32: one past the last valid position of each row.")
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[2]
+
     # -- storage -------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.device = key_states.device
-        self.keys = key_states.new_empty(B, H, 0, D)
-        self.values = value_states.new_empty(B, H, 0, value_states.shape[-1])
-        self.kv_start = torch.zeros(B, dtype=torch.int32, device=self.device)
-        self.kv_end = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self._keys = key_states.new_empty(B, H, 0, D)
+        self._values = value_states.new_empty(B, H, 0, value_states.shape[-1])
+        self._kv_start = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self._kv_end = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.is_initialized = True
 
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def use_triton(self, tensor: torch.Tensor) -> bool:
-        """Whether this layer's per-step kernels run in Triton (CUDA or forced) or as the PyTorch reference."""
-        return self.kernel == "triton" or (self.kernel == "auto" and tensor.is_cuda)
-
-    def reserve(self, needed: int, limit: int | None = None) -> None:
+    def _reserve(self, needed: int, limit: int | None = None) -> None:
         """Grow the buffers (geometrically, never past ``limit``) to hold at least ``needed`` positions."""
         if needed <= self.capacity:
             return
         new_capacity = max(needed, 2 * self.capacity, _GROW_MIN)
         if limit is not None:
             new_capacity = max(needed, min(new_capacity, limit))
-        for name in ("keys", "values"):
+        for name in ("_keys", "_values"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
-            grown[:, :, : self.length] = old[:, :, : self.length]
+            grown[:, :, : self._length] = old[:, :, : self._length]
             setattr(self, name, grown)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append keys/values [B, Hkv, T, D] at the common write position ``length``."""
         T = keys.shape[2]
-        self.reserve(self.length + T)
-        self.keys[:, :, self.length : self.length + T] = keys
-        self.values[:, :, self.length : self.length + T] = values
-        self.length += T
-        self.kv_end.fill_(self.length)
+        self._reserve(self._length + T)
+        self._keys[:, :, self._length : self._length + T] = keys
+        self._values[:, :, self._length : self._length + T] = values
+        self._length += T
+        self._kv_end.fill_(self._length)
+
+    def write_rows(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid_end: torch.Tensor,
+                   limit: int | None = None) -> None:
+        """Write one token per row at its own position: keys/values [B, Hkv, 1, D] at ``slots`` [B] (long); the
+        buffers grow to hold the highest slot (never past ``limit``); ``valid_end`` [B] becomes ``kv_end``."""
+        B, H, _, D = keys.shape
+        high = int(slots.max()) + 1
+        self._reserve(high, limit=limit)
+        self._length = max(self._length, high)
+        index = slots.view(B, 1, 1, 1).expand(B, H, 1, D)
+        self._keys.scatter_(2, index, keys)
+        self._values.scatter_(2, index.expand(B, H, 1, values.shape[-1]), values)
+        self._kv_end.copy_(valid_end)
+
+    def compact(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep only ``positions`` [B, W] (long) of each row, moved to the front of fresh buffers of W positions;
+        row ``b`` then holds ``valid[b]`` valid tokens from position 0 (left padding is gone)."""
+        B, H, _, D = self._keys.shape
+        width = positions.shape[1]
+        index = positions[:, None, :, None].expand(B, H, width, D)
+        self._keys = self._keys[:, :, : self._length].gather(2, index)
+        self._values = self._values[:, :, : self._length].gather(2, index.expand(B, H, width, self._values.shape[-1]))
+        self._length = width
+        self._kv_start.zero_()
+        self._kv_end.copy_(valid.to(torch.int32))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new keys/values [B, Hkv, T, D]; return what dense attention over the cache needs."""
@@ -94,13 +126,13 @@ class SparseLayer(CacheLayerMixin):
             raise RetrofitError(
                 f"sparse method {self.method.name!r} evicts tokens: feed the prompt in one forward call (no chunked prefill)")
         first = self.seen == 0
-        self.new_start = self.length
+        self.new_start = self._length
         self.method.append(self, key_states, value_states)
         self.seen += key_states.shape[2]
-        if self.method.evicts:
-            keys, values = (key_states, value_states) if first else (self.keys[:, :, : self.length], self.values[:, :, : self.length])
+        if self.method.evicts and first:
+            keys, values = key_states, value_states
         else:
-            keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+            keys, values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
         self.returned_keys = keys
         return keys, values
 
@@ -118,7 +150,7 @@ class SparseLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx, self.method, self.kernel)
+        self.__init__(self.layer_idx, self.method)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise RetrofitError("sparse decoding does not support beam search (num_beams > 1)")
@@ -150,14 +182,14 @@ class SparseLayer(CacheLayerMixin):
             valid = attention_mask.bool()
         else:
             return
-        valid = valid[:, : self.length]
-        if valid.shape[0] == 1 and self.kv_start.shape[0] > 1:
-            valid = valid.expand(self.kv_start.shape[0], -1)
+        valid = valid[:, : self._length]
+        if valid.shape[0] == 1 and self._kv_start.shape[0] > 1:
+            valid = valid.expand(self._kv_start.shape[0], -1)
         first = valid.int().argmax(-1)
         contiguous = valid.sum(-1) == valid.shape[-1] - first
         if not bool(contiguous.all()):
             raise RetrofitError("sparse decoding needs left padding (tokenizer.padding_side = 'left')")
-        self.kv_start.copy_(first.to(torch.int32))
+        self._kv_start.copy_(first.to(torch.int32))
 
     # -- accounting ----------------------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
@@ -177,13 +209,13 @@ class SparseCache(DynamicCache):
     ``session.new_cache()`` and pass it as ``past_key_values``.
     """
 
-    def __init__(self, config, method: "SparseMethod", sparse_layers: list[int], num_layers: int, kernel: str = "auto"):
+    def __init__(self, config, method: "SparseMethod", sparse_layers: list[int], num_layers: int):
         super().__init__(config=config)
         if len(self.layers) < num_layers or self.layer_class_to_replicate is not None:
             self.layers = [DynamicLayer() for _ in range(num_layers)]
             self.layer_class_to_replicate = None
         for idx in sparse_layers:
-            self.layers[idx] = SparseLayer(idx, method, kernel)
+            self.layers[idx] = SparseLayer(idx, method)
         self.method = method
         self.sparse_layers = list(sparse_layers)
 

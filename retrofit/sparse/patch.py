@@ -2,9 +2,8 @@
 
 Inside the context (and only there):
 
-- a custom attention function is registered in transformers' ``ALL_ATTENTION_FUNCTIONS`` under a private name, and
-  the model config's ``_attn_implementation`` points to it (the mask function of the original implementation is
-  registered under the same name, so masks are built exactly as before);
+- the session's attention function runs the model's softmax attention (``attention_functions.attention_function``:
+  a private name in transformers' registries, masks built exactly as before);
 - a forward pre-hook on the model puts a ``SparseCache`` in place of a missing or empty ``DynamicCache`` (this is
   how plain ``model.generate(...)`` and forward calls pick it up).
 
@@ -15,61 +14,23 @@ sparse-decode kernel on them. On exit everything is undone (also on exceptions).
 from __future__ import annotations
 
 import inspect
-import sys
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from retrofit.errors import RetrofitError
-from retrofit.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
-from retrofit.sparse.base import SparseMethod, build_method
+from retrofit.kernels import use_backend
+from retrofit.kernels.sparse_decode import sparse_decode_attention
+from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
+                                                 softmax_attention_layers)
 from retrofit.sparse.cache import SparseCache, SparseLayer
+from retrofit.sparse.contract import SparseMethod
+from retrofit.sparse.registry import build_method
 
-KERNELS = ("auto", "triton", "reference")
-
-
-def softmax_attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """layer index -> attention module, for the layers that run standard transformers softmax attention.
-
-    A module counts when it is a transformers attention module with q/k/v/o projections and a ``layer_idx``, and the
-    config does not mark its layer as sliding-window. Converted (linear-attention) layers are skipped.
-    """
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None) or []
-    found: dict[int, torch.nn.Module] = {}
-    for _, module in model.named_modules():
-        if not all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim")):
-            continue
-        if not type(module).__module__.startswith("transformers.models."):
-            continue
-        idx = module.layer_idx
-        if idx < len(layer_types) and layer_types[idx] not in ("full_attention", "attention"):
-            continue
-        found.setdefault(idx, module)
-    return dict(sorted(found.items()))
-
-
-def _attention_configs(model: torch.nn.Module) -> list[Any]:
-    configs, stack = [], [model.config]
-    while stack:
-        config = stack.pop()
-        if any(config is seen for seen in configs):
-            continue
-        configs.append(config)
-        for key in getattr(config, "sub_configs", {}) or {}:
-            sub = getattr(config, key, None)
-            if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-                stack.append(sub)
-    return configs
-
-
-def _eager_function(module: torch.nn.Module) -> Callable:
-    modeling = sys.modules[type(module).__module__]
-    return getattr(modeling, "eager_attention_forward")
+# sparse_decoding(kernel=...) -> the kernels' backend for the session's per-step ops
+KERNELS = {"auto": "auto", "triton": "triton", "reference": "torch"}
 
 
 class SparseSession:
@@ -80,15 +41,16 @@ class SparseSession:
         self.method = method
         self.layers = layers
         self.kernel = kernel
+        self.backend = KERNELS[kernel]
         self.cache: SparseCache | None = None
         text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.config = text_config
         self.num_layers = text_config.num_hidden_layers
-        self.original_implementation = model.config._attn_implementation or "eager"
+        self.original_implementation = implementation_of(model)
 
     def new_cache(self) -> SparseCache:
         """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``)."""
-        return SparseCache(self.config, self.method, list(self.layers), self.num_layers, self.kernel)
+        return SparseCache(self.config, self.method, list(self.layers), self.num_layers)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the most recent cache, per component (see ``SparseCache.memory_bytes``)."""
@@ -96,12 +58,16 @@ class SparseSession:
 
     # -- the attention function ----------------------------------------------------------------------------------
     def dense(self, module, query, key, value, attention_mask, **kwargs):
-        impl = self.original_implementation
-        function = _eager_function(module) if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
-        return function(module, query, key, value, attention_mask, **kwargs)
+        return dense_attention(self.original_implementation, module, query, key, value, attention_mask, **kwargs)
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """Attention interface: query [B, Hq, T, D], key/value [B, Hkv, N, D] -> ([B, T, Hq, D], None)."""
+        if self.backend == "auto":
+            return self._attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        with use_backend(self.backend):
+            return self._attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    def _attention(self, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
         layer = self._layer_for(module, key)
         if layer is None:
             return self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -116,9 +82,8 @@ class SparseSession:
         selection = self.method.select(layer, q)
         if selection is None:
             return self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        attend = sparse_decode_attention if layer.use_triton(q) else sparse_decode_attention_ref
         layer.sparse_steps += 1
-        out = attend(q, layer.keys, layer.values, selection.indices, selection.counts, layer.kv_start, layer.kv_end,
+        out = sparse_decode_attention(q, layer.keys, layer.values, selection.indices, selection.counts, layer.kv_start, layer.kv_end,
                      block_size=selection.block_size, scale=scaling)
         return out[:, None, :, :], None
 
@@ -189,23 +154,9 @@ def sparse_decoding(
                                 f"(those are {min(attention)}..{max(attention)} minus converted/sliding ones)")
         attention = {i: attention[i] for i in chosen}
     session = SparseSession(model, sparse_method, attention, kernel)
-    name = f"retrofit_sparse_{id(session):x}"
-    configs = _attention_configs(model)
-    saved = [(config, config.__dict__.get("_attn_implementation_internal")) for config in configs]
-    mask_function = ALL_MASK_ATTENTION_FUNCTIONS[session.original_implementation]
-    ALL_ATTENTION_FUNCTIONS._global_mapping[name] = session.attention
-    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = mask_function
-    hook = None
-    try:
-        for config, _ in saved:
-            config.__dict__["_attn_implementation_internal"] = name
+    with ExitStack() as undo:
+        undo.enter_context(attention_function(model, session.attention, "sparse"))
         hook = model.register_forward_pre_hook(session.inject_cache, with_kwargs=True)
+        undo.callback(hook.remove)
+        undo.callback(setattr, session, "cache", None)
         yield session
-    finally:
-        if hook is not None:
-            hook.remove()
-        for config, value in saved:
-            config.__dict__["_attn_implementation_internal"] = value
-        ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
-        session.cache = None

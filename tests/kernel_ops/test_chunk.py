@@ -355,14 +355,16 @@ def test_without_final_state_and_default_scale(kind):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_cpu_without_interpreter_falls_back_to_the_spec(kind, monkeypatch):
-    # CPU tensors with TRITON_INTERPRET unset cannot launch Triton: the public function runs the float64
-    # chunked spec instead, still differentiable
+def test_torch_backend_runs_the_pytorch_chunked_form(kind):
+    # Where Triton does not run (the CPU without the interpreter; forced here), the public function runs the
+    # PyTorch chunked form instead, in float32 and still differentiable
+    from retrofit.kernels import use_backend
+
     chunk, naive, _ = OPS[kind]
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, g, beta, s0 = make_inputs(kind, 1, 70, 2, 16, 16, groups=2, h0=True, seed=6)
     q.requires_grad_()
-    o, st = chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    with use_backend("torch"):
+        o, st = chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     o_ref, st_ref = naive(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=s0.double(),
                           output_final_state=True)
     assert o.dtype == v.dtype and st.dtype == torch.float32

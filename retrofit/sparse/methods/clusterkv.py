@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from retrofit.kernels.sparse_decode import cluster_scores, cluster_scores_ref
-from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.kernels.sparse_decode import cluster_scores
+from retrofit.sparse.contract import Selection, SparseMethod, require
+from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import grown, mask_to_selection, positions, sink_mask
 
 
@@ -102,9 +103,8 @@ class ClusterKV(SparseMethod):
         pos = positions(layer)
         recent_from = max(meta["clustered_upto"], n - (self.budget - self.n_sink))
         fixed = sink_mask(layer, self.n_sink) | ((pos >= recent_from) & (pos >= layer.kv_start.long()[:, None]))
-        score = cluster_scores if layer.use_triton(query) else cluster_scores_ref
         sizes = meta["sizes"][:, :, :num]
-        scores = score(query, meta["centroids"], num).masked_fill(sizes == 0, float("-inf"))
+        scores = cluster_scores(query, meta["centroids"], num).masked_fill(sizes == 0, float("-inf"))
         order = torch.argsort(scores, dim=-1, descending=True, stable=True)
         room = (self.budget - fixed.sum(-1, keepdim=True))[:, None, :]  # [B, 1, 1]
         taken_sorted = torch.cumsum(sizes.gather(-1, order), -1) <= room

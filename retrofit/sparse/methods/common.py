@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.kernels.sparse_decode import topk_indices, topk_indices_ref
-from retrofit.sparse.base import Selection
+from retrofit.kernels.sparse_decode import topk_indices
+from retrofit.sparse.contract import Selection
 
 
 def grown(buffer: torch.Tensor | None, dim: int, needed: int, like: torch.Tensor, shape: tuple[int, ...],
@@ -63,7 +63,7 @@ def full_counts(layer, top: torch.Tensor) -> torch.Tensor:
 
 
 def best_blocks(layer, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending; Triton on GPU).
+    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending).
 
     Block P - 1, the one being written (it holds the token being decoded), is always among them, as in the
     authors' Quest and SeerAttention kernels (top-k over the other blocks, the last appended). ``scores`` is
@@ -71,5 +71,4 @@ def best_blocks(layer, scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     B, H, P = scores.shape
     scores[:, :, P - 1] = float("inf")
-    select = topk_indices if layer.use_triton(scores) else topk_indices_ref
-    return select(scores.reshape(B * H, P), k).view(B, H, k)
+    return topk_indices(scores.reshape(B * H, P), k).view(B, H, k)

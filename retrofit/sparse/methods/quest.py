@@ -8,7 +8,9 @@ the other pages and appends the last one), sparse attention over them. The first
 
 Page size: the authors' 16 is the default (their models have head_dim 128). With head_dim 64 the page bound is
 looser: on SmolLM2-135M at budget 1024 (H200, 20 seeds) page 16 keeps 5% of dense on niah_single@8000, page 8 70%,
-page 4 100% (and >= 90% of dense in every graded cell at 2048, 4096, 8000); see BENCHMARKS.md, session 5.
+page 4 100% (and >= 90% of dense in every graded cell at 2048, 4096, 8000); see BENCHMARKS.md, History > Sparse
+decoding: accuracy > 2026-11-30 — Quest page 4 and Seer gates trained on sequences of 2048-8192 tokens meet the bar
+at every length.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from retrofit.kernels.sparse_decode import quest_page_scores, quest_page_scores_ref
-from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.kernels.sparse_decode import quest_page_scores
+from retrofit.sparse.contract import Selection, SparseMethod, require
+from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, full_counts, grown
 
 
@@ -65,7 +68,6 @@ class Quest(SparseMethod):
             return None
         meta = layer.meta
         num_pages = meta["num_pages"]
-        score = quest_page_scores if layer.use_triton(query) else quest_page_scores_ref
-        scores = score(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
+        scores = quest_page_scores(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
         top = best_blocks(layer, scores, min(self.budget // self.page_size, num_pages))
         return Selection(top, full_counts(layer, top), self.page_size)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from retrofit.errors import RetrofitError
-from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.sparse.contract import Selection, SparseMethod, require
+from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import mask_to_selection, positions, sink_mask
 
 QUERY_POOLING = ("mean", "union")

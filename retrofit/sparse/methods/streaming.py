@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.sparse.contract import Selection, SparseMethod, require
+from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import all_blocks
 
 
@@ -41,18 +42,11 @@ class StreamingLLM(SparseMethod):
             layer.write(keys, values)
             return
         count, ring = layer.meta["count"], layer.meta["ring"]
-        B, H, _, D = keys.shape
         full = count >= self.capacity
         slot = torch.where(full, self.n_sink + ring, count)
-        high = int(slot.max()) + 1
-        layer.reserve(high, limit=self.capacity)
-        layer.length = max(layer.length, high)
-        index = slot.view(B, 1, 1, 1).expand(B, H, 1, D)
-        layer.keys.scatter_(2, index, keys)
-        layer.values.scatter_(2, index.expand(B, H, 1, values.shape[-1]), values)
         layer.meta["ring"] = torch.where(full, (ring + 1) % self.window, ring)
         layer.meta["count"] = torch.clamp(count + 1, max=self.capacity)
-        layer.kv_end.copy_(layer.meta["count"])
+        layer.write_rows(slot, keys, values, valid_end=layer.meta["count"], limit=self.capacity)
 
     def prepare(self, layer, start: int, end: int) -> None:
         if layer.meta.get("compacted"):
@@ -66,13 +60,7 @@ class StreamingLLM(SparseMethod):
         head = (valid_len[:, None] <= cap) | (j[None, :] < self.n_sink)
         pos = torch.where(head, start_pos[:, None] + j, n - cap + j)
         pos = torch.where(j[None, :] < keep[:, None], pos, torch.zeros_like(pos)).clamp(0, max(n - 1, 0))
-        B, H, _, D = layer.keys.shape
-        index = pos[:, None, :, None].expand(B, H, width, D)
-        layer.keys = layer.keys[:, :, :n].gather(2, index)
-        layer.values = layer.values[:, :, :n].gather(2, index.expand(B, H, width, layer.values.shape[-1]))
-        layer.length = width
-        layer.kv_start.zero_()
-        layer.kv_end.copy_(keep.to(torch.int32))
+        layer.compact(pos, keep)
         layer.meta.update(compacted=True, count=keep, ring=torch.zeros_like(keep))
 
     def select(self, layer, query: torch.Tensor) -> Selection:

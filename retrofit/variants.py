@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
+from retrofit.cliargs import parse_pairs, split_pairs
 from retrofit.errors import RetrofitError
 from retrofit.registry import Registry
 
@@ -123,7 +124,7 @@ def hybrid(path: str) -> Variant:
 def convert(layer_type: str, layers: str) -> Variant:
     """The dense model with the ``layers`` (a ``--layers`` spec: list, ``every:K``, ``not:SPEC``) replaced by fresh
     ``layer_type`` (gdn/kda) layers initialised from their attention weights, built in memory by
-    :func:`retrofit.convert.hybrid.to_hybrid` on the dense model's device and dtype.
+    :func:`retrofit.convert.build.to_hybrid` on the dense model's device and dtype.
 
     The hybrid shares every other weight with the dense model (no copy), so only the new layers' weights are added;
     they are released once the caller drops the yielded model. Nothing is distilled: the outputs are not
@@ -138,8 +139,8 @@ def convert(layer_type: str, layers: str) -> Variant:
         raise RetrofitError(f"--variant {name}: {error}") from None
 
     def converted_layers(model) -> list[int]:
-        from retrofit.convert.hybrid import check_base_type
-        from retrofit.select import parse_layer_spec
+        from retrofit.convert.selection import parse_layer_spec
+        from retrofit.hybrid import check_base_type
 
         try:
             check_base_type(model.config.model_type)
@@ -157,37 +158,14 @@ def convert(layer_type: str, layers: str) -> Variant:
 
     @contextlib.contextmanager
     def opener(model, tokenizer) -> Iterator[object]:
-        from retrofit.convert.hybrid import HybridSection, to_hybrid
+        from retrofit.convert.build import to_hybrid
+        from retrofit.hybrid import HybridSection
 
         section = HybridSection(layers=converted_layers(model), layer_type=layer_type,
                                 base_model_type=model.config.model_type)
         yield to_hybrid(model, section, share_weights=True)  # freed once the caller drops it (run_bench collects)
 
     return Variant(name, opener, describer)
-
-
-def parse_value(text: str) -> object:
-    """``"16"`` -> 16, ``"0.5"`` -> 0.5, ``"true"`` -> True, anything else stays a string."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_key_values(pairs: list[str], option: str) -> dict[str, object]:
-    """``["k=v", ...]`` -> ``{k: parsed v}``; a malformed pair is a user error naming ``option``."""
-    params: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise RetrofitError(f"{option} expects key=value, got {pair!r}")
-        params[key.strip()] = parse_value(value.strip())
-    return params
 
 
 def parse_variant_spec(spec: str) -> Variant:
@@ -208,10 +186,12 @@ def parse_variant_spec(spec: str) -> Variant:
         return convert(layer_type, layers)
     if not head:
         raise RetrofitError(f"--variant {spec!r}: expected METHOD:budget=N[,key=value...]")
-    params = parse_key_values([part for part in rest.split(",") if part.strip()], f"--variant {spec!r}")
-    budget = params.pop("budget", None)
-    if not isinstance(budget, int):
-        raise RetrofitError(f"--variant {spec!r}: sparse variants need an integer budget, e.g. {head}:budget=1024")
+    params = parse_pairs(split_pairs(rest), f"--variant {spec!r}:")
+    try:
+        budget = int(params.pop("budget", ""))
+    except ValueError:
+        raise RetrofitError(f"--variant {spec!r}: sparse variants need an integer budget, e.g. {head}:budget=1024") \
+            from None
     return sparse(head, budget, **params)
 
 
@@ -225,7 +205,7 @@ def variants_from_options(sparse_methods: list[str], budgets: list[int], sparse_
         raise RetrofitError("--sparse needs at least one --budget N")
     if sparse_args and not sparse_methods:
         raise RetrofitError("--sparse-arg needs --sparse METHOD")
-    params = parse_key_values(sparse_args, "--sparse-arg")
+    params = parse_pairs(sparse_args, "--sparse-arg")
     variants = [sparse(method, budget, **params) for method in sparse_methods for budget in budgets]
     variants += [hybrid(path) for path in hybrid_dirs]
     variants += [parse_variant_spec(spec) for spec in specs]

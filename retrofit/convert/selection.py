@@ -132,8 +132,10 @@ def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_st
     feed the alignment (``align_steps`` steps of ``batch_size`` windows). If ``aligned`` is a dict, it receives
     layer index -> the aligned replacement layer.
     """
-    from retrofit.convert.distill import AttentionCapture, BatchSampler, LayerAligner, kl_loss, warmup_cosine
-    from retrofit.convert.hybrid import HybridSection, to_hybrid
+    from retrofit.convert.build import to_hybrid
+    from retrofit.convert.data import BatchSampler
+    from retrofit.convert.objectives import AttentionCapture, LayerAligner, kl_loss, warmup_cosine
+    from retrofit.hybrid import HybridSection
     from retrofit.model_info import attention_layout
 
     layout = attention_layout(dense)

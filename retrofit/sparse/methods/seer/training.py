@@ -7,19 +7,19 @@ pooled over the keys seen so far, as at decode time). Loss: KL(target || gate), 
 """
 from __future__ import annotations
 
-import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import click
 import torch
 from tqdm import tqdm
 
+from retrofit.atomic import torch_save
 from retrofit.errors import RetrofitError
-from retrofit.sparse.methods.seer import SeerGate, SeerGates, pool_blocks
-from retrofit.sparse.patch import softmax_attention_layers
+from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
+                                                 softmax_attention_layers)
+from retrofit.sparse.methods.seer.method import SeerGate, SeerGates, pool_blocks
 
 
 def gate_loss(gate: SeerGate, query: torch.Tensor, key: torch.Tensor, block_size: int, queries: int,
@@ -60,36 +60,19 @@ def gate_loss(gate: SeerGate, query: torch.Tensor, key: torch.Tensor, block_size
 @contextmanager
 def capture_gate_losses(model, gates: SeerGates, queries: int) -> Iterator[list[torch.Tensor]]:
     """Inside: forward calls run the original attention and append each gated layer's loss to the yielded list."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from retrofit.sparse.patch import _attention_configs, _eager_function
-
     losses: list[torch.Tensor] = []
-    original = model.config._attn_implementation or "eager"
+    original = implementation_of(model)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        function = _eager_function(module) if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
-        out = function(module, query, key, value, attention_mask, **kwargs)
+        out = dense_attention(original, module, query, key, value, attention_mask, **kwargs)
         if getattr(module, "layer_idx", None) in gates:
             with torch.enable_grad():
                 losses.append(gate_loss(gates[module.layer_idx], query.detach(), key.detach(), gates.block_size,
                                         queries, kwargs.get("scaling") or module.scaling))
         return out
 
-    name = f"retrofit_gates_{id(losses):x}"
-    saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in _attention_configs(model)]
-    ALL_ATTENTION_FUNCTIONS._global_mapping[name] = attention
-    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = ALL_MASK_ATTENTION_FUNCTIONS[original]
-    try:
-        for config, _ in saved:
-            config.__dict__["_attn_implementation_internal"] = name
+    with attention_function(model, attention, "gates"):
         yield losses
-    finally:
-        for config, value in saved:
-            config.__dict__["_attn_implementation_internal"] = value
-        ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
 
 
 def sequence_lengths(tokens: int, seq_len: int, min_seq_len: int | None, block_size: int, seed: int) -> list[int]:
@@ -161,12 +144,6 @@ def position_offsets_for(lengths: list[int], config, seed: int) -> list[int]:
     picker = random.Random(seed + 2)
     limit = getattr(config, "max_position_embeddings", None)
     return [picker.randint(0, max((limit or length) - length, 0)) for length in lengths]
-
-
-def _atomic_save(payload: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
 
 
 def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, seq_len: int = 1024,
@@ -252,61 +229,7 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
         losses.append(loss.item() / len(layer_losses))
         bar.set_postfix(kl=f"{losses[-1]:.4f}")
         if (step + 1) % save_every == 0 or step + 1 == len(chunks):
-            _atomic_save({"config": gates.config, "gates": gates.state_dict(), "optimizer": optimizer.state_dict(),
-                          "step": step + 1}, checkpoint)
+            torch_save({"config": gates.config, "gates": gates.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1}, checkpoint)
     gates.cpu().save(out)
     return gates, losses
-
-
-@click.command("gates")
-@click.argument("model")
-@click.option("--data", "data", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
-              help="Text file(s) or folder(s) of .txt files (e.g. ../shared/data/calib). Repeatable.")
-@click.option("--tokens", type=int, default=262_144, show_default=True, help="Calibration tokens to train on.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Gate file to write (atomically).")
-@click.option("--seq-len", type=int, default=None,
-              help="Longest training sequence; at least the prompt lengths you decode. Default: the model's maximum "
-                   "length up to 8192, with --min-seq-len a quarter of it.")
-@click.option("--min-seq-len", type=int, default=None,
-              help="Draw each sequence's length between this and --seq-len (default with --seq-len given: all "
-                   "--seq-len).")
-@click.option("--block-size", type=int, default=64, show_default=True, help="Tokens per gated KV block.")
-@click.option("--hidden", type=int, default=128, show_default=True, help="Gate hidden size.")
-@click.option("--queries", type=int, default=16, show_default=True, help="Decode queries per sequence (last positions).")
-@click.option("--lr", type=float, default=1e-3, show_default=True)
-@click.option("--retrieval-fraction", type=float, default=0.5, show_default=True,
-              help="Share of sequences ending in a repeat of an earlier span (retrieval-style training; 0: none).")
-@click.option("--position-offsets/--no-position-offsets", default=True, show_default=True,
-              help="Start each training sequence at a random position (gates then carry to other positions).")
-@click.option("--save-every", type=int, default=20, show_default=True, help="Checkpoint every N steps.")
-@click.option("--resume", is_flag=True, help="Continue from OUT.ckpt.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
-@click.option("--dtype", default="float32", show_default=True, help="Dtype of the frozen base model.")
-def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hidden, queries, lr, retrieval_fraction,
-                  position_offsets, save_every, resume, device, dtype):
-    """Train SeerAttention decode gates for MODEL (frozen) on calibration text.
-
-    \b
-    Example:
-      retrofit gates smollm2-135m --data ../shared/data/calib --tokens 65536 --out runs/smol.gates
-      retrofit generate smollm2-135m --sparse seer --budget 512 --sparse-arg gate_path=runs/smol.gates ...
-    """
-    import retrofit
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    checkpoint = out.with_name(out.name + ".ckpt")
-    if resume and not checkpoint.is_file():
-        raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
-    lm, tokenizer = retrofit.load(model, dtype=dtype, device=device)
-    if seq_len is None:
-        seq_len, default_min = default_seq_lens(lm.config.get_text_config(decoder=True), block_size)
-        min_seq_len = min_seq_len or min(default_min, seq_len)
-    _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
-                            hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume,
-                            retrieval_fraction=retrieval_fraction, position_offsets=position_offsets,
-                            min_seq_len=min_seq_len)
-    if losses:
-        click.echo(f"gates saved to {out} (KL per layer: first step {losses[0]:.4f}, last step {losses[-1]:.4f})")
-    else:
-        click.echo(f"gates saved to {out} (nothing left to train after resume)")

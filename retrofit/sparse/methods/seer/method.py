@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from retrofit.atomic import torch_save
 from retrofit.errors import RetrofitError
-from retrofit.kernels.sparse_decode import cluster_scores, cluster_scores_ref
-from retrofit.sparse.base import Selection, SparseMethod, register, require
+from retrofit.kernels.sparse_decode import cluster_scores
+from retrofit.sparse.contract import Selection, SparseMethod, require
+from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, full_counts, grown
 
 GATE_FORMAT = "retrofit-seer-gates"
@@ -81,12 +83,8 @@ class SeerGates(nn.Module):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (temp file, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        torch.save({"format": GATE_FORMAT, "version": 1, "config": self.config, "state_dict": state}, tmp)
-        os.replace(tmp, path)
+        torch_save({"format": GATE_FORMAT, "version": 1, "config": self.config, "state_dict": state}, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SeerGates":
@@ -164,8 +162,7 @@ class SeerAttention(SparseMethod):
         num = meta["num_blocks"]
         with torch.no_grad():
             gate_query = gate.query(query).contiguous()
-        score = cluster_scores if layer.use_triton(query) else cluster_scores_ref
-        scores = score(gate_query, meta["gate_keys"], num)
+        scores = cluster_scores(gate_query, meta["gate_keys"], num)
         block_end = (torch.arange(num, device=query.device) + 1) * self.block_size
         scores = scores.masked_fill((block_end[None, :] <= layer.kv_start.long()[:, None])[:, None, :], float("-inf"))
         top = best_blocks(layer, scores, min(self.budget // self.block_size, num))

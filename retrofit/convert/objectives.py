@@ -1,0 +1,144 @@
+"""What conversion optimises and how it reads the dense model: the captures of attention inputs/outputs and of a
+decoder layer's input, the stage-1 and stage-2 objectives, and the learning-rate schedule. Shared by distillation
+(``distill.py``) and scored layer selection (``selection.py``)."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def warmup_cosine(total_steps: int, warmup: float, floor: float = 0.1) -> Callable[[int], float]:
+    warm = max(1, round(total_steps * warmup)) if warmup > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total_steps - warm)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook after the last selected layer: the rest of the teacher pass is not needed."""
+
+
+class AttentionCapture:
+    """Records the inputs (hidden_states, position_embeddings, attention_mask) and outputs of selected attention
+    modules during one forward pass of the dense model, then stops the pass."""
+
+    def __init__(self, model: nn.Module, layers: list[int]):
+        self.layers = sorted(layers)
+        self.records: dict[int, dict] = {}
+        self.handles = []
+        for i in self.layers:
+            attn = model.model.layers[i].self_attn
+            self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(attn.register_forward_hook(self._post(i)))
+
+    def _pre(self, i):
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self.records[i] = {"hidden_states": hidden, "position_embeddings": kwargs.get("position_embeddings"),
+                               "attention_mask": kwargs.get("attention_mask")}
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, output):
+            self.records[i]["target"] = output[0] if isinstance(output, tuple) else output
+            if i == self.layers[-1]:
+                raise _StopForward
+        return hook
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, input_ids: torch.Tensor) -> dict[int, dict]:
+        self.records = {}
+        with contextlib.suppress(_StopForward):
+            model(input_ids=input_ids, use_cache=False)
+        return self.records
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class LayerAligner(nn.Module):
+    """Stage 1 objective: mean over the converted layers of ``||layer(x) - attention(x)||^2 / ||attention(x)||^2``."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        self.converted = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+
+    def forward(self, records: dict[int, dict]) -> torch.Tensor:
+        losses = []
+        for key, layer in self.converted.items():
+            rec = records[int(key)]
+            out = layer(hidden_states=rec["hidden_states"], position_embeddings=rec["position_embeddings"],
+                        attention_mask=rec["attention_mask"])[0]
+            target = rec["target"].float()
+            losses.append(F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(1e-12))
+        return torch.stack(losses).mean()
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean per-token KL(teacher || student) of ``[B, T, V]`` logits at ``temperature`` (scaled by T^2)."""
+    s = F.log_softmax(student_logits.float().flatten(0, 1) / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float().flatten(0, 1) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+class DecoderInputCapture:
+    """Records the input (hidden states and keyword arguments) of one decoder layer during a forward pass."""
+
+    def __init__(self, model: nn.Module, layer: int):
+        self.record: dict = {}
+        self.handle = model.model.layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        self.record = {"hidden_states": hidden, "kwargs": rest}
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class StudentTail(nn.Module):
+    """The hybrid from decoder layer ``first`` on: layers ``first..L-1``, final norm, LM head.
+
+    Layers below the first converted one compute exactly what the dense model computes (they are not adapted), so
+    stage 2 starts the student from the teacher's residual stream there instead of recomputing it.
+    """
+
+    def __init__(self, model: nn.Module, first: int):
+        super().__init__()
+        self.model, self.first = model, first
+
+    def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> logits ``[B, T, vocab]``."""
+        for layer in self.model.model.layers[self.first:]:
+            out = layer(hidden_states, **layer_kwargs)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        return self.model.lm_head(self.model.model.norm(hidden_states))
+
+
+def lora_target_names(model: nn.Module, converted: list[int], groups: list[str]) -> list[str]:
+    """Full module names of the projections LoRA adapts, from the first converted layer on: attention q/k/v/o of
+    the layers kept dense and MLP gate/up/down."""
+    names = []
+    wanted = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    first = min(converted)
+    for i, layer in enumerate(model.model.layers):
+        if i < first:
+            continue
+        if "attention" in groups and i not in converted:
+            names += [f"model.layers.{i}.self_attn.{p}" for p in wanted["attention"]
+                      if isinstance(getattr(layer.self_attn, p, None), nn.Linear)]
+        if "mlp" in groups:
+            names += [f"model.layers.{i}.mlp.{p}" for p in wanted["mlp"] if isinstance(getattr(layer.mlp, p, None), nn.Linear)]
+    return names

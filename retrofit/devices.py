@@ -1,0 +1,41 @@
+"""Device and dtype names as users type them (``--device``, ``--dtype``) -> torch objects, with one-line errors."""
+from __future__ import annotations
+
+import torch
+
+from retrofit.errors import RetrofitError
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``"bf16"``, ``"float32"``, a ``torch.dtype`` or None (float32) -> ``torch.dtype``."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise RetrofitError(f"unknown dtype {dtype!r}; choose from: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"``/None (CUDA when available), ``"cpu"``, ``"cuda:N"`` -> ``torch.device``; CUDA must be present."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise RetrofitError(f"unknown device {device!r} ({err})") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise RetrofitError(f"device {device!r} was asked for but CUDA is not available on this machine")
+    return parsed
+
+
+def default_dtype(device: str | torch.device | None) -> str:
+    """The dtype a command runs in when ``--dtype`` is not given: bfloat16 on CUDA, float32 elsewhere."""
+    return "bfloat16" if parse_device(device).type == "cuda" else "float32"

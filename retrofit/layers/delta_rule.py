@@ -1,0 +1,123 @@
+"""The delta-rule family of converted layers (Gated DeltaNet, KDA): one forward, the gates left to each layer type.
+
+Per token: q, k, v projections -> short causal conv (SiLU) -> L2-normalised q, k -> gated delta rule with
+``beta = sigmoid(W_b x)`` and a layer-specific log decay ``g = decay(x)`` -> per-head RMSNorm gated by
+``output_gate(x)`` -> W_o. GQA keeps one state per key-value head; the query heads of a group read it.
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn as nn
+
+from retrofit.layers.modules import GatedRMSNorm, ShortConvolution, l2_normalize, rotate
+from retrofit.layers.spec import AttentionShape, LinearAttentionSpec
+from retrofit.layers.state import cache_states, padding_mask, store_states
+
+
+class DeltaRuleAttention(nn.Module):
+    """Base of the delta-rule layers, with the forward signature of transformers' ``LlamaAttention``.
+
+    Shapes: ``hidden_states [B, T, hidden]`` -> ``(attn_output [B, T, hidden], None)``. The recurrent state is
+    ``[B, H_kv, head_dim, head_dim]`` (fp32) and the conv state ``[B, (H_q + 2 H_kv) head_dim, conv_size - 1]``;
+    both live in the transformers ``Cache`` passed as ``cache`` / ``past_key_values``.
+
+    A layer type sets ``layer_kind``, its two ops (``chunk_op`` for prefill and training, ``recurrent_op`` for
+    single-token decode; ``retrofit.kernels`` runs each on Triton or its PyTorch path) and implements
+    ``_build_gates``, ``reset_gates``, ``decay`` and ``output_gate``.
+    """
+
+    layer_kind: ClassVar[str] = ""
+    chunk_op: ClassVar[Callable]
+    recurrent_op: ClassVar[Callable]
+
+    def __init__(self, shape: AttentionShape, layer_idx: int, spec: LinearAttentionSpec | None = None):
+        super().__init__()
+        spec = spec or LinearAttentionSpec()
+        self.shape, self.layer_idx, self.spec = shape, layer_idx, spec
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_heads if spec.expand_kv else shape.num_kv_heads
+        self.head_dim = d = shape.head_dim
+        hidden, hq, hk = shape.hidden_size, self.num_heads, self.num_kv_heads
+        self.q_proj = nn.Linear(hidden, hq * d, bias=shape.bias)
+        self.k_proj = nn.Linear(hidden, hk * d, bias=shape.bias)
+        self.v_proj = nn.Linear(hidden, hk * d, bias=shape.bias)
+        self.o_proj = nn.Linear(hq * d, hidden, bias=shape.bias)
+        self.conv = ShortConvolution((hq + 2 * hk) * d, spec.conv_size)
+        self.b_proj = nn.Linear(hidden, hk, bias=True)
+        self.o_norm = GatedRMSNorm(hq, d)
+        self._build_gates()
+        self.reset_parameters()
+
+    @property
+    def retrofit_layer_type(self) -> str:
+        """The name this layer type is registered under (``retrofit.layers.LAYER_TYPES``)."""
+        return self.layer_kind
+
+    def reset_parameters(self) -> None:
+        """Initial values of everything not copied from the dense attention (also after ``to_empty``)."""
+        self.conv.reset_parameters()
+        with torch.no_grad():
+            self.o_norm.weight.fill_(1.0)
+        self.reset_gates()
+
+    # ----- what a layer type defines -----
+    def _build_gates(self) -> None:
+        """Create the decay and output-gate parameters."""
+        raise NotImplementedError
+
+    def reset_gates(self) -> None:
+        """Initialise the gates (``b_proj`` included) so that the layer starts as a slow-decay, open-gate recurrence."""
+        raise NotImplementedError
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> log decay g (fp32, <= 0): ``[B, T, H_kv]`` or per channel ``[B, T, H_kv, head_dim]``."""
+        raise NotImplementedError
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> gate ``[B, T, H_q, head_dim]`` in (0, 1)."""
+        raise NotImplementedError
+
+    # ----- forward -----
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+        """hidden_states ``[B, T, hidden]`` -> ``(output [B, T, hidden], None)``; updates the cache if one is given.
+
+        ``attention_mask`` (2-D or 4-D, as transformers passes it) only marks padding: a padded position is made an
+        identity step of the recurrence (k = v = 0, beta = 0, g = 0) and outputs zeros.
+        """
+        cache = cache if cache is not None else past_key_values
+        x = hidden_states
+        B, T, _ = x.shape
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        keep = padding_mask(attention_mask, B, T, x.device)
+        conv_state, recurrent_state = cache_states(cache, self.layer_idx)
+        decode = not self.training and T == 1
+
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if keep is not None:
+            qkv = qkv * keep[..., None].to(qkv.dtype)
+        qkv, conv_state = self.conv(qkv, conv_state, decode=decode)
+        if keep is not None:
+            qkv = qkv * keep[..., None].to(qkv.dtype)
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(B, T, hq, d), k.view(B, T, hk, d), v.reshape(B, T, hk, d).contiguous()
+        if self.spec.use_rope and position_embeddings is not None:
+            q, k = rotate(q, k, position_embeddings)
+        q, k = l2_normalize(q), l2_normalize(k)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = self.decay(x)
+        if keep is not None:
+            beta = beta * keep[..., None]
+            g = g * (keep[..., None, None] if g.dim() == 4 else keep[..., None])
+        run = type(self).recurrent_op if decode else type(self).chunk_op
+        o, recurrent_state = run(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None)
+        if cache is not None:
+            store_states(cache, self.layer_idx, conv_state, recurrent_state)
+        o = self.o_norm(o, self.output_gate(x))
+        return self.o_proj(o.reshape(B, T, hq * d)), None
+
+    def extra_repr(self) -> str:
+        return (f"kind={self.layer_kind}, layer_idx={self.layer_idx}, heads={self.num_heads}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
