@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue #6 on the GPU: distil one hybrid of the reference model from a recipe, then evaluate it beside the dense model
-# (float32: wikitext2 first 32 windows of 1024; PIQA and ARC-easy first 200 items) and check that sparse decoding on
-# its remaining softmax layers at budget >= context equals the hybrid alone.
+# Conversion on the GPU (BENCHMARKS.md, Conversion): distil one hybrid of the reference model from a recipe, then
+# evaluate it beside the dense model (float32: wikitext2 first 32 windows of 1024; PIQA and ARC-easy first 200 items)
+# and check that sparse decoding on its remaining softmax layers at budget >= context equals the hybrid alone.
 #
 #   bash benchmarks/convert_gpu.sh RECIPE OUT_DIR CALIB_DIR EVAL_DIR [MAX_MINUTES] [extra convert options...]
 #     RECIPE       e.g. smollm2-135m/gdn-8of30

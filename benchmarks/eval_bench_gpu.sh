@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of the evaluation instrument (engineer E): reference accuracies of SmolLM2 on the H200 and the speed /
+# GPU run of the evaluation instrument: reference accuracies of SmolLM2 on the H200 and the speed /
 # memory sweep of a Llama-3-8B-shaped model. One command; results land in $OUT (default ./out).
 #
 #   bash benchmarks/eval_bench_gpu.sh MODEL DATA_DIR
@@ -13,7 +13,7 @@ mkdir -p "$out"
 # float32 wikitext2 reference: 32 windows of 1024 -> 23.94 (design/evaluation.md)
 retrofit eval "$model" --tasks wikitext2 --limit 32 --seq-len 1024 --data-dir "$data" --device cuda \
   --dtype float32 --batch-size 8 --json "$out/eval_ppl_fp32.json"
-# multiple choice, first 200 items (issue: PIQA 0.625, ARC-easy 0.450 acc)
+# multiple choice, first 200 items (expected: PIQA 0.625, ARC-easy 0.450 acc)
 retrofit eval "$model" --tasks piqa,arc_easy,hellaswag,lambada --limit 200 --data-dir "$data" --device cuda \
   --dtype float32 --batch-size 32 --json "$out/eval_mc200_fp32.json"
 # long-context synthetic sweep (SmolLM2 has 8192 positions)

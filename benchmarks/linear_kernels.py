@@ -232,8 +232,9 @@ def decode_rows(ours, fla, rows: list[Row]) -> None:
     from retrofit.kernels import RecurrentDecodeGraph
     scale = K ** -0.5
     # The plain B=1 step is bound by the host's launch path. The first such measurement of a process ran up to 5x
-    # slow on the H200 machine (session 11: 36.8 us for ours and 196 for fla's, then 6.4 and 40 in the next process),
-    # so one measurement of each implementation is taken first and discarded.
+    # slow on the H200 (36.8 us for ours and 196 for fla's, then 6.4 and 40 in the next process: BENCHMARKS.md,
+    # History > Linear-attention kernels > 2026-11-30 — KDA forward past fla, `_bwd_wy` at 4 warps, decode blocks
+    # that widen with the batch), so one measurement of each implementation is taken first and discarded.
     q, k, v, g, beta = make_inputs(1, 1, False, seed=1)
     state = torch.zeros(1, H, K, V, device=DEVICE, dtype=torch.float32)
     try_bench(lambda: ours["recurrent_gdn"](q, k, v, g, beta, scale=scale, initial_state=state, inplace_state=True))

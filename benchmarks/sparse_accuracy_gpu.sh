@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue #5's accuracy table on the GPU: SeerAttention gates trained on calibration text, then dense vs every sparse
-# method at budgets 256 and 1024 on passkey / niah_single / vt, 20 seeds (one item each). Quest runs at the authors'
+# The sparse-decoding accuracy table on the GPU (BENCHMARKS.md, Sparse decoding: accuracy): SeerAttention gates
+# trained on calibration text, then dense vs every sparse method at budgets 256 and 1024 on passkey / niah_single / vt,
+# 20 seeds (one item each). Quest runs at the authors'
 # page size 16 and at 8 and 4 (this model's head_dim is 64: its page bound is looser than on the authors' 128; on the
 # CPU, niah_single@4096 at budget 1024 kept 40% / 60% / 100% of dense at pages 16 / 8 / 4).
 # Each context length runs as three evaluations at once (a 135M model leaves a GPU mostly idle; each has the dense

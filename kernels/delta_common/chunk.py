@@ -62,7 +62,7 @@ Precision (PREC of the products; _precisions):
     bf16 tl.dot is unusable, "bf16emu" reproduces the same roundings with exact fp32 products.
   fp16 inputs (and bf16 with the switch off): fp32 intermediates and TF32 products.
 Block sizes and warps are chosen so that the forward kernels do not spill registers at K = V = 128 on sm_90
-(but KDA's _solve_wy at 1 warp; see WARPS).
+(but KDA's _solve_wy at 1 warp: 112 bytes spilled, 216 with STORE_T, when compiled at 3 stages, WY_BK 32, triton 3.9).
 
 _solve_wy: GDN forms the 10 lower blocks k_I k_J^T of M itself (K in blocks of WY_BK, key tiles as loaded, bf16
 operands on the bf16 path), the off-diagonal decays factored about each block row's first row (vectors of exps,
@@ -87,123 +87,65 @@ from .chunk_bwd_kernels import (_bwd_dqk_kernel, _bwd_wy_kernel, _dv_local_kerne
 from .chunk_fwd_kernels import (_cumsum_kernel, _kda_diag_kernel, _kda_intra_kernel, _output_kernel, _solve_wy_kernel,
                                 _state_fwd_kernel)
 
-# Tunable launch constants (Hopper defaults).
+# Tunable launch constants (Hopper defaults). "measured: <date> — <title>" names the entry of BENCHMARKS.md, History >
+# Linear-attention kernels, that holds the figures behind a value; the tuning history itself is in git.
 CHUNK = 64          # BT: rows per chunk (tl.dot blocks of 64)
 SUB_CHUNK = 16      # BC: KDA sub-chunk for the per-channel decayed products
 BLOCK_V = 32        # BV: value-dimension block of _solve_wy's U, of _state_fwd and of the backward chunk kernels
-# _state_fwd's value block when its V / BV x B x H programs (each sequential over the chunks) would still give every
-# SM one at this width: fewer, wider programs then read W, Kd and the decayed k once per 64 values rather than 32.
-# H200, bf16, H=32 K=V=128 (2026-11-30, session 10): with BLOCK_V = 64 for every kernel, KDA forward B=4 T=8192
-# 3.874 -> 3.621 ms (256 programs) but B=1 T=16384 1.983 -> 2.064 (64 programs on 132 SMs), hence the rule; with
-# the rule, B=4 3.844 -> 3.610 (KDA) and 1.634 -> 1.487 (GDN), B=1 unchanged.
+# _state_fwd's value block while V / STATE_FWD_WIDE_BV x B x H programs still give every SM one (else BLOCK_V);
+# measured: 2026-11-30 — A wider state pass when the SMs stay filled
 STATE_FWD_WIDE_BV = 64
 STATE_BWD_BV = 32   # value-dimension block of _state_bwd on the bf16 path (V / STATE_BWD_BV programs per kv head)
-STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates (TF32 or exact products): at 32, KDA's fp32 Kd, W, QG
-                        # tiles make the TF32 kernel ask 233472 bytes of shared memory at 2 stages (over sm_90's
-                        # 232448; 215040 at 16), and the exact one spills 2272 bytes (384 at 16)
+STATE_BWD_FP32_BV = 16  # the same with fp32 intermediates: at 32 the TF32 kernel asks more shared memory than sm_90
+                        # has at 2 stages (233472 of 232448 bytes) and the exact one spills (offline, triton 3.9)
 # shared memory that _state_bwd's pipelined loads may take (all stages): sm_90's 232448 bytes per block less ~32 KB
 # that its products and layout conversions use besides (measured 16-29 KB, offline compiles, triton 3.9)
 STATE_BWD_STAGE_SMEM = 200 * 1024
-BLOCK_V_OUT = 64    # value-dimension block of GDN's _output and of _dv_local (each V block recomputes GDN's P; at 64,
-                    # KDA's _output, which reads QG and P, takes 82 registers at 4 warps, 2 stages, bf16, K = V = 128,
-                    # NG = 1, against 161 when it loaded q and G and took the exps per value block; GDN 168; offline
-                    # sm_90 compile, triton 3.9)
-BLOCK_V_OUT_KDA = 128  # KDA's _output (its [BT, K] QG and [BT, BT] P then load once per chunk rather than once
-                       # per value block; 128 registers at 4 warps, no spills, offline sm_90, triton 3.9): H200, bf16,
-                       # KDA forward B=1 T=16384 H=32 (2026-11-30, session 9, sweeps of BLOCK_V_OUT on two kernel
-                       # versions) 2.066 -> 2.052 and 2.109 -> 2.093 ms
-KDA_BK = 16         # key-dimension block of KDA's forward sub-chunk kernel _kda_intra ([BC, KDA_BK] tiles; at 1 warp
-                    # and 2 stages, bf16 inputs, TF32 products: 176 registers, no spills; offline sm_90 compile,
-                    # triton 3.9, session 8; _kda_diag at 4 heads, 2 warps: 80 registers)
-KDA_DIAG_ROWS = 8   # rows per group of KDA's token-parallel diagonal kernel _kda_diag: 16 (= SUB_CHUNK) or 8 (then
-                    # _kda_intra forms the diagonal block's pairs across its halves with one more pair of tl.dots).
-                    # H200, bf16, KDA forward B=1 T=16384 H=32 (2026-11-30, session 8, with an interim _kda_intra
-                    # 0.17 ms slower than this one): 8 rows 2.14 ms, 16 rows 2.30 (_kda_diag 0.37 vs 0.62 ms)
-KDA_DIAG_BH = 4     # kv heads per _kda_diag program (with 2 warps: WARPS; same sweep, 8 rows: BH 1 / 1 warp 2.21 ms,
-                    # 2 / 1 warp 2.15, 4 / 1 warp 2.17, 4 / 2 warps 2.14; 16 rows: 8 / 2 warps 2.54)
+BLOCK_V_OUT = 64    # value-dimension block of GDN's _output and of _dv_local (each V block recomputes GDN's P; GDN's
+                    # _output: 168 registers at 4 warps, K = V = 128, offline sm_90 compile, triton 3.9)
+BLOCK_V_OUT_KDA = 128  # KDA's _output: QG and P load once per chunk (128 registers at 4 warps, no spills); measured:
+                       # 2026-11-30 — KDA decayed queries stored once, `_output` on whole value rows
+KDA_BK = 16         # key-dimension block of _kda_intra (176 registers at 1 warp, no spills); measured: 2026-11-30 —
+                    # KDA decayed queries stored once, `_output` on whole value rows
+KDA_DIAG_ROWS = 8   # rows per group of _kda_diag: 16 (= SUB_CHUNK) or 8 (then _kda_intra takes the pairs across the
+                    # diagonal block's halves); measured: 2026-11-30 — A token-parallel KDA diagonal kernel
+KDA_DIAG_BH = 4     # kv heads per _kda_diag program (with 2 warps: WARPS); measured: 2026-11-30 — A token-parallel
+                    # KDA diagonal kernel
 KDA_INTRA_IEEE_WARPS = 2  # _kda_intra's warps with exact fp32 ("ieee") products (FMA tl.dots): 198 registers, no
-                          # spills at 2 warps (offline sm_90 compile, triton 3.9; before session 8, 40 bytes
-                          # spilled at 1 warp)
+                          # spills (offline sm_90 compile, triton 3.9)
 WY_BK = 32          # key-dimension block of _solve_wy's W = T (beta exp(G) k) and of GDN's M = K K^T there
 BWD_WY_BK = 32      # key-dimension block of _bwd_wy
-KDA_BWD_BK = 32     # key-dimension block of KDA's backward sub-chunk kernel _kda_intra_bwd (one per program; [BC, BK]
-                    # tiles, tl.dots [BC, BC] x [BC, BK]: at 64 it spills at 4 warps, at 16 it takes 190 registers;
-                    # H200 KDA fwd+bwd B=1 T=16384: 8.93 ms at 32, 15.90 at 16, 9.19 at 64 with 8 warps)
+KDA_BWD_BK = 32     # key-dimension block of _kda_intra_bwd (one per program; spills at 64 with 4 warps); measured:
+                    # 2026-11-30 — Four branches merged, a `_bwd_dqk` race fixed
 KDA_BWD_IEEE_BK = 16  # the same for exact fp32 ("ieee") products (137 registers at 4 warps; 182 at 32, no spills)
-# KDA with autograd: keep G (chunk cumsums), the sub-chunk products M, P and the decayed queries QG from the forward
-# for the backward (fp32 [B, H, Tp, K] + [B, H, Tp, 64], P [B, Hq, Tp, 64] and QG [B, Hq, Tp, K] in BF16_BUFFERS)
-# instead of recomputing them there: per (padded) token, bf16 inputs, K = 128, BT = 64, 768 bytes per kv head (G, M)
-# and 128 + 2 K = 384 per query head (P, QG), 1152 bytes with one query head per kv head (B=1 T=16384 H=32: 604 MB)
+# KDA with autograd: keep G, the sub-chunk products M, P and the decayed queries QG from the forward for the backward
+# (bf16, K = 128, one query head per kv head: 1152 bytes per token and head; 604 MB at B=1 T=16384 H=32)
 KDA_KEEP_INTRA_FOR_BACKWARD = True
-# With autograd: keep the forward's WY factors T^-1 (fp32, as stored with STORE_T), W and (KDA) Kd, and the chunk
-# states Hs with the pseudo-values V', for the backward, which then runs neither _solve_wy nor _state_fwd (GDN
-# also keeps its scalar G, 4 bytes). Extra memory held from the forward to the backward, per (padded) token and kv
-# head, bf16 inputs: T^-1 4 BT + W 2 K (+ Kd 2 K) + Hs 2 K V / BT + V' 2 V bytes; at K = V = 128, BT = 64:
-# GDN 1284, KDA 1536 bytes (B=1 T=16384 H=32: 673 MB and 805 MB per layer); fp32 inputs keep W, Kd, Hs, V' in fp32
-# (twice the bytes). The recompute allocated the same buffers in the backward, so a single layer's peak stays; what
-# grows is the memory held across layers between their forward and backward. Measured (H200, bf16, B=1 T=16384
-# H=32 K=V=128, one layer, benchmarks/linear_kernels.py): KDA fwd+bwd 8.24 ms holding 1536 MiB from the forward to
-# the backward (output and QG included; 1408 MiB before KDA kept QG), 9.90 ms holding 640 MiB with False (measured
-# before QG was kept; fla 0.6.0: 9.92 ms, 512 MiB); GDN holds 770 MiB.
+# With autograd: keep the forward's T^-1, W, Kd, chunk states Hs and V' for the backward, which then runs neither
+# _solve_wy nor _state_fwd; measured: 2026-11-30 — Four branches merged, a `_bwd_dqk` race fixed
 KEEP_FORWARD_FOR_BACKWARD = True
 # with KEEP_FORWARD_FOR_BACKWARD: False keeps U (2 V bytes) in place of Hs and V' (the largest, 2 K V / BT + 2 V) and
 # re-runs _state_fwd in the backward: GDN 772, KDA 1024 bytes per token and head at K = V = 128 (405 MB, 537 MB).
 KEEP_CHUNK_STATES_FOR_BACKWARD = True
 NUM_WARPS = 4
 NUM_STAGES = 2
-# Warps and pipelining stages per kernel; a "<name>_kda" entry overrides "<name>" for KDA. Block sizes keep the
-# forward kernels free of register spills at K = V = 128 (sm_90, cuobjdump --dump-resource-usage). kda_intra: one
-# program per sub-chunk (session 8; before: one per chunk at 2 warps, 1.10 ms of the 2.53 ms KDA forward at B=1
-# T=16384 H=32, H200; now with _kda_diag 0.29 + 0.59 ms at 16 diagonal rows): its [16, 16] blocks take one warp's mma
-# tile (2 warps: 2.51 vs 2.30 ms forward). Its loop holds several tl.dots, the pattern of the _bwd_dqk race below,
-# yet 2 stages passed the GPU tests in three calls (whole chunk suite twice, then the KDA set with the
-# repeatability test of forward and backward) and take the forward from 2.30 to 2.11 ms (session 8, H200); 3 stages
-# 2.066 -> 2.054 ms (session 9 sweep), and with BLOCK_V_OUT_KDA = 128 the KDA GPU test set, repeatability included,
-# passed (session 9, H200, triton 3.6). Exact fp32 products: see KDA_INTRA_IEEE_WARPS. The other forward entries
-# come from `python benchmarks/linear_kernels.py --tune-chunk` (H200, bf16, B=1 T=16384 H=32, one kernel varied at
-# a time, 2026-11-30): solve_wy 4 -> 2 warps and 3 stages (GDN forward 2.131 -> 1.639 ms), solve_wy_kda 8 -> 2 warps and
-# 3 stages (KDA 5.736 -> 4.267), output 8 -> 4 warps (2.131 -> 1.778; KDA 5.736 -> 5.428), state_fwd 3 stages
-# (2.131 -> 2.000). kda_intra_bwd: 4 warps since its rewrite per sub-chunk (142 registers at 4 warps, 104 at 8,
-# spills at 2, TF32 BK 32; before it: 8 warps, 241 registers, 6.66 ms of kernel time at B=1 T=16384 H=32, now
-# 2.84); KDA fwd+bwd 8.93 ms at 4 warps, 8.98 at 2, 16.40 at 8 (H200, 2026-11-30). solve_wy (GDN) 2 -> 1 warp at the
-# same time (offline compile, triton 3.9, sm_90, K = V = 128 bf16): its [BC, BC] blocks take the mma layout of a
-# single warp, so a second warp holds a copy of every block rather than a share of it; at 1 warp 237 registers and
-# no spills, at 2 warps 255 registers and 584 bytes spilled, at 4 warps 255 and none (with its rewrite: GDN forward
-# 1.154 -> 0.855 ms). bwd_wy 8 -> 4 warps for GDN (session 11; H200, triton 3.6, B=1 T=16384 H=32 K=V=128 bf16:
-# GDN fwd+bwd 4.42 -> 3.71 ms; the GDN GPU tests pass with value blocks under 32 kept at 8 warps, FEW_WARPS_MIN_BV);
-# KDA: at 4 warps and 2 stages its _bwd_wy hit an illegal address on the first KDA GPU test (B=1 T=300 K=V=128);
-# at 4 warps unpipelined (STAGES bwd_wy_kda 1) the KDA GPU set passes (13) and KDA fwd+bwd 8.17 -> 7.97 ms (8 warps
-# at 1 stage: 8.75).
-# solve_wy_kda 2 -> 1 warp on this branch: measured 2.43 ms vs 2.53 for the KDA forward (H200, B=1 T=16384 H=32,
-# 2026-11-30) with 968 bytes spilled at 1 warp; since W and Kd share one load of k and G per row block, 255 registers
-# and 112 bytes spilled (216 with STORE_T) at 1 warp, 3 stages, WY_BK 32 (offline compile, triton 3.9; 2 warps:
-# 200 / 224 bytes, and 183 registers without spills at WY_BK 64).
+# Warps per kernel ("<name>_kda" overrides "<name>" for KDA); measured: 2026-11-30 — Chunk kernels: GPU tests,
+# per-kernel profile, launch tuning, and the later entries, whose sweeps name each setting (WARPS.<name>)
 WARPS = {"cumsum": 4, "kda_diag": 2, "kda_intra": 1, "solve_wy": 1, "solve_wy_kda": 1, "state_fwd": 4, "output": 4,
          "dv_local": 8, "state_bwd": 8, "bwd_dqk": 8, "bwd_wy": 4, "bwd_wy_kda": 4, "kda_intra_bwd": 4, "rev_cumsum": 4}
-# Software-pipelining stages per kernel (same "<name>_kda" override); NUM_STAGES where absent. _bwd_dqk runs its loop
-# over V unpipelined: at 2 stages triton 3.6 on the H200 gave run-to-run different dq (and dG) on identical inputs,
-# 7 of 29 runs differing at 8 warps (rel RMS error up to 0.038 against 0.0022) and 29 of 29 at 4 warps (up to 0.15);
-# at 1 stage 0 of 29 at 8 and 4 warps, GDN and KDA (B=1 T=300 H=2 K=V=128 bf16, 2026-11-30), for +0.05 ms GDN and
-# +0.12 ms KDA fwd+bwd at B=1 T=16384 H=32. (fla 0.6.0 refuses its own kernel of this role, chunk_bwd_dqkwg, on
-# Hopper with triton 3.4 to 3.7.0 for "incorrect results"; tests/kernel_ops/test_chunk.py checks repeatability.)
-# _kda_intra is pipelined (3 stages) on its GPU test record: see WARPS' comment. solve_wy_kda 3 -> 2 stages: KDA
-# forward B=1 T=16384 1.975 -> 1.958 ms, B=4 T=8192 3.610 -> 3.575 (H200, H=32, K=V=128, session 10 sweep; the whole
-# chunk GPU suite passed at this setting, 26 tests, triton 3.6).
+# Pipelining stages per kernel (same override; NUM_STAGES where absent). bwd_dqk and bwd_wy_kda run unpipelined: at 2
+# stages the one gave run-to-run different dq, the other faulted at 4 warps; measured: as for WARPS
 STAGES: dict[str, int] = {"solve_wy": 3, "solve_wy_kda": 2, "state_fwd": 3, "bwd_dqk": 1, "kda_intra": 3,
                           "bwd_wy_kda": 1}
-# Kernels that keep at least 8 warps on value blocks narrower than the given width, whatever WARPS says (on the
-# H200 with triton 3.6; 8 warps pass every GPU test shape): _output at 4 warps hit an illegal address in GDN at
-# V = 16 (bisected with CUDA_LAUNCH_BLOCKING=1, 2026-11-30; 4 warps passed the V >= 64 shapes); GDN's _bwd_wy at 4
-# warps failed the two bf16 GPU cases with V = 16 (session 10; the V >= 32 cases passed).
+# Kernels that keep >= 8 warps on value blocks narrower than the given width (4 warps failed at V = 16); measured:
+# 2026-11-30 — Tuned defaults measured, a GDN `_output` crash bisected, the WY split tried (output); bwd_wy: as WARPS
 FEW_WARPS_MIN_BV = {"output": 64, "bwd_wy": 32}
 # tl.dot input precision for float32 operands: inputs in float32 use exact ("ieee") products;
 # for bf16/fp16 inputs the fp32 intermediates go through TF32 tensor cores.
 FP32_INPUT_DOT_PRECISION = "ieee"
 LOW_PRECISION_INPUT_DOT_PRECISION = "tf32"
-# bf16 inputs: keep the big intermediates (W, U, KDA's Kd, QG and P, chunk states Hs, pseudo-values V', and in the
-# backward dHs, dV') in bf16 and feed the products bf16 operands with fp32 accumulation, as flash-linear-attention
-# does (half the bytes, bf16 tensor cores). The state carried across chunks, G, T's block merges, M, the gradient
-# accumulators and the final state stay fp32. False: the previous path (fp32 intermediates, TF32 products).
+# bf16 inputs: BF16_BUFFERS stored in bf16, BF16_DOT_KERNELS on bf16 operands with fp32 accumulation, as
+# flash-linear-attention does (module docstring: Precision). False: fp32 intermediates, TF32 products.
 LOW_PRECISION_INTERMEDIATES = True
 # with LOW_PRECISION_INTERMEDIATES: the kernels whose products take bf16 operands (the others use PREC_HI) and
 # the intermediates stored in bf16 (the others fp32)
@@ -214,7 +156,7 @@ BF16_BUFFERS = {"W", "U", "Kd", "Hs", "Vp", "dHs", "dVp", "QG", "P"}
 def _kw(name, per_channel):
     """Launch keywords (num_warps, num_stages) of kernel `name` from WARPS / STAGES; for KDA (per_channel) a
     "<name>_kda" entry overrides "<name>". per_channel has no default: a launch that omitted it would silently
-    ignore its KDA entries (as seven shared kernels did before session 9)."""
+    ignore its KDA entries (as seven shared kernels did before 4ce4493)."""
     def pick(table, default):
         value = table.get(name + "_kda") if per_channel else None
         return value or table.get(name, default)

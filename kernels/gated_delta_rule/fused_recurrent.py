@@ -112,13 +112,9 @@ def recurrent_delta_rule_kernel(
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Value block of a step with many (batch, kv head) slices: the widest of DECODE_WIDE_BV, DECODE_WIDE_BV / 2, ... that
-# still gives DECODE_PROGRAMS_PER_SM programs per SM; else the thin block (a [BK, BV] slice in one warp's registers).
-# Wider blocks read and write the state in longer rows, which is the whole cost of a step at large B. H200, bf16,
-# H=32 K=V=128, one step in place (sweep of forced blocks, BENCHMARKS.md session 11): B=64 GDN 96.4 -> 72.5 us, KDA
-# 101.2 -> 73.0 (fla 0.6.0: 99.8 / 74.9); B=16 28.3 -> 23.6; B=256 369 -> 268; B=4 takes 32 (11.1 -> 9.6); B=1 keeps
-# the thin block (64 or 128 programs at 32 or 64 would leave SMs idle; every block measured 5.8-7.6 us there).
-# 64 at 8 warps and 128 were slower (B=64: 93.3, 90.5).
+# Value block of a step: the widest of DECODE_WIDE_BV, DECODE_WIDE_BV / 2, ... that still gives DECODE_PROGRAMS_PER_SM
+# programs per SM, else the thin one-warp block; measured: BENCHMARKS.md, History > Linear-attention kernels >
+# 2026-11-30 — KDA forward past fla, `_bwd_wy` at 4 warps, decode blocks that widen with the batch
 DECODE_WIDE_BV = 64
 DECODE_PROGRAMS_PER_SM = 2
 
