@@ -3,6 +3,7 @@ per other task/metric (a bar per variant). Needs matplotlib (the ``test`` extra)
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from retrofit.atomic import atomic_path
 from retrofit.errors import RetrofitError
