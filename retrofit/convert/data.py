@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from retrofit.errors import RetrofitError
+from retrofit.textfiles import read_text
 
 TEXT_SUFFIXES = (".txt", ".raw", ".text", ".md")
 # Evaluation sets that must never be used for calibration (distilling on the test set would inflate the scores).
@@ -35,18 +36,8 @@ def calibration_files(paths: list[str] | tuple[str, ...]) -> list[Path]:
     for path in files:
         if path.name in FORBIDDEN_NAMES:
             raise RetrofitError(f"{path} is an evaluation set: never calibrate on it (choose other --data)")
-        if not _has_text(path):
-            raise RetrofitError(f"calibration file {path} is empty")
+        read_text(path, "calibration file")  # empty, binary or non-UTF-8 files are refused before any model work
     return files
-
-
-def _has_text(path: Path, block: int = 1 << 16) -> bool:
-    """Whether the file holds any non-whitespace character (reads only as far as the first one)."""
-    with open(path, "rb") as handle:
-        while chunk := handle.read(block):
-            if chunk.strip():
-                return True
-    return False
 
 
 def token_windows(tokenizer, paths, num_windows: int, seq_len: int, seed: int = 0,
@@ -62,7 +53,7 @@ def token_windows(tokenizer, paths, num_windows: int, seq_len: int, seed: int = 
         raise RetrofitError(f"--seq-len must be at least 2, got {seq_len}")
     files = calibration_files(paths)
     block_chars = seq_len * CHARS_PER_TOKEN
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    texts = [read_text(f, "calibration file") for f in files]
     pool = [(fi, b) for fi, text in enumerate(texts) for b in range(max(1, len(text) // block_chars))]
     rng = random.Random(seed)
     rng.shuffle(pool)

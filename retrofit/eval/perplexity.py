@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from retrofit import textfiles
 from retrofit.errors import RetrofitError
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.model_info import model_device
@@ -33,10 +34,8 @@ def token_windows(tokenizer, text: str, seq_len: int, limit: int | None = None) 
 
 
 def read_text(path: Path) -> str:
-    """The file's text; a missing file is a user error."""
-    if not path.is_file():
-        raise RetrofitError(f"data file not found: {path}")
-    return path.read_text(encoding="utf-8")
+    """The file's text; a missing, empty, binary or non-UTF-8 file is a user error naming it."""
+    return textfiles.read_text(path, "evaluation text")
 
 
 @torch.no_grad()

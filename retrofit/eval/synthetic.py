@@ -22,6 +22,7 @@ from typing import Callable
 
 from retrofit.errors import RetrofitError
 from retrofit.registry import Registry
+from retrofit.textfiles import read_text
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -88,7 +89,7 @@ class Haystack:
         else:
             if not path.is_file():
                 raise RetrofitError(f"haystack file not found: {path}")
-            text = " ".join(path.read_text(encoding="utf-8").split())
+            text = " ".join(read_text(path, "haystack file").split())
             self.sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
             if not self.sentences:
                 raise RetrofitError(f"haystack file is empty: {path}")

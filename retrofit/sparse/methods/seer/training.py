@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from retrofit.atomic import torch_save
 from retrofit.errors import RetrofitError
+from retrofit.textfiles import read_text
 from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
                                                  softmax_attention_layers)
 from retrofit.sparse.methods.seer.method import SeerGate, SeerGates, pool_blocks
@@ -108,7 +109,7 @@ def calibration_chunks(tokenizer, files: list[Path], lengths: list[int]) -> list
         raise RetrofitError("--data: no .txt files found")
     chunks: list[torch.Tensor] = []
     for path in paths:
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt").input_ids[0]
+        ids = tokenizer(read_text(path, "calibration file"), return_tensors="pt").input_ids[0]
         start = 0
         while len(chunks) < len(lengths) and start + lengths[len(chunks)] <= len(ids):
             chunks.append(ids[start : start + lengths[len(chunks)]])
