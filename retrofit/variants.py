@@ -21,6 +21,7 @@ from typing import Callable, ContextManager, Iterator
 
 from retrofit.cliargs import parse_pairs, split_pairs
 from retrofit.errors import RetrofitError
+from retrofit.model_files import check_model_dir
 from retrofit.registry import Registry
 
 
@@ -100,6 +101,13 @@ def hybrid(path: str) -> Variant:
     directory = Path(path)
     if not directory.is_dir():
         raise RetrofitError(f"--hybrid {path}: no such directory")
+    try:
+        config = check_model_dir(directory)  # a damaged or non-model directory fails before dense runs
+    except RetrofitError as error:
+        raise RetrofitError(f"--hybrid {path}: {error}") from None
+    if "retrofit" not in config:
+        raise RetrofitError(f"--hybrid {path}: not a hybrid checkpoint (its config.json has no retrofit section; "
+                            "evaluate a dense model as MODEL)")
 
     @contextlib.contextmanager
     def opener(model, tokenizer) -> Iterator[object]:
