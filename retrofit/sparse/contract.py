@@ -1,12 +1,21 @@
 """The sparse-decoding method contract: what a method is asked and what it answers.
 
-A method is a small dataclass (validated in ``__post_init__`` with :func:`require`) with two hooks the cache and the
+A method is a small dataclass (validated in ``__post_init__`` with :func:`require`) with hooks the cache and the
 patch call:
 
-- ``prepare(layer, start, end)``: positions ``[start, end)`` were just written to ``layer``'s key/value buffers
-  (prefill or an appended token); update the method's metadata in ``layer.meta`` (page min/max, centroids, ANN
+- ``prepare(layer, start, end)``: positions ``[start, end)`` were just written to ``layer``'s key/value buffers by a
+  prefill chunk (host-known positions); build the method's metadata in ``layer.meta`` (page min/max, centroids, ANN
   index, gate keys);
-- ``select(layer, query) -> Selection | None``: which blocks of the cache one decode query reads (``None``: dense).
+- ``prepare_step(layer)``: one decode token was just written at ``layer.write_pos - 1``; update the metadata;
+- ``select(layer, query) -> Selection | None``: which blocks of the cache one decode query reads (``None``: dense);
+- ``maintain(layer, written)``: upkeep between decode steps, on the host (ClusterKV's scheduled re-clustering);
+- ``bind(config)``: settings that follow the model (called once by ``sparse_decoding``).
+
+A decode step must be able to run as a captured CUDA graph (``capturable``): ``prepare_step`` and ``select`` then
+read and write only device tensors of fixed shape, metadata is updated in place, selections have a fixed width
+(index tensors sized by the budget, with counts), and nothing reads a tensor value on the host (no ``.item()``,
+``nonzero`` or Python branch on a tensor). A method whose selection needs the host (RetrievalAttention's faiss
+search) sets ``capturable = False`` and says what its step costs.
 
 A method reads the layer's buffers and changes them only through ``SparseLayer``'s methods (``write``,
 ``write_rows``, ``compact``); everything else (storage, padding, the attention kernel, restoring the model) is
@@ -46,6 +55,7 @@ class SparseMethod(ABC):
     budget: int
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = False
+    capturable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         require(isinstance(self.budget, int) and not isinstance(self.budget, bool) and self.budget > 0,
@@ -54,9 +64,24 @@ class SparseMethod(ABC):
     def prepare(self, layer: "SparseLayer", start: int, end: int) -> None:
         """Update ``layer.meta`` after positions ``[start, end)`` were written (default: no metadata)."""
 
+    def prepare_step(self, layer: "SparseLayer") -> None:
+        """Update ``layer.meta`` after one decode token per row was written at ``layer.write_pos - 1`` (default:
+        :meth:`prepare` over the host-known new position, which a method that is ``capturable`` must override)."""
+        self.prepare(layer, layer.new_start, layer.length)
+
+    def maintain(self, layer: "SparseLayer", written: int) -> None:
+        """Host-side upkeep between decode steps, outside the step (``written``: tokens in the layer; default none)."""
+
+    def bind(self, config) -> None:
+        """Adopt settings that follow the model (its text ``config``), once, before any forward (default none)."""
+
     def append(self, layer: "SparseLayer", keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store new keys/values [B, Hkv, T, D] (default: append at the common write position)."""
-        layer.write(keys, values)
+        """Store new keys/values [B, Hkv, T, D] (default: a prefill chunk at the common write position, a decode
+        token at the device write position)."""
+        if keys.shape[2] == 1:
+            layer.write_next(keys, values)
+        else:
+            layer.write(keys, values)
 
     @abstractmethod
     def select(self, layer: "SparseLayer", query: torch.Tensor) -> Selection | None:
