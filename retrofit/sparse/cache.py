@@ -150,6 +150,7 @@ class SparseLayer(CacheLayerMixin):
         self._kv_start.zero_()
         self._kv_end.copy_(valid.to(torch.int32))
         self.kv_start_host = [0] * B
+        self.returned_keys = self._keys  # what the next update returns: the old buffers are no longer held
         self.evicted = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
