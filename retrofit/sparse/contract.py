@@ -87,6 +87,22 @@ class SparseMethod(ABC):
     def select(self, layer: "SparseLayer", query: torch.Tensor) -> Selection | None:
         """Blocks read by the decode query [B, Hq, D] (post-RoPE), or None to attend densely."""
 
+    def step_read_bytes(self, layer: "SparseLayer", valid_tokens: int) -> int:
+        """Bytes one decode step reads from ``layer`` when each row holds ``valid_tokens`` positions: the keys and
+        values of the tokens selected (at most ``budget`` per row and kv head; all of them in a layer the method
+        keeps dense) plus the method's metadata on the device, which a step scores whole."""
+        keys, values = layer.keys, layer.values
+        per_token = keys[:, :, :1].numel() * keys.element_size() + values[:, :, :1].numel() * values.element_size()
+        if self.keeps_dense(layer):
+            return per_token * valid_tokens
+        metadata = sum(t.numel() * t.element_size() for t in layer.meta.values()
+                       if isinstance(t, torch.Tensor) and t.device == keys.device)
+        return per_token * min(self.budget, valid_tokens) + metadata
+
+    def keeps_dense(self, layer: "SparseLayer") -> bool:
+        """Whether the method leaves ``layer`` dense (its ``select`` returns None there; default: never)."""
+        return False
+
     def metadata_bytes(self, layer: "SparseLayer") -> dict[str, int]:
         """Bytes held by this method's metadata of one layer, per component (default: tensors in layer.meta)."""
         return {"metadata": sum(t.numel() * t.element_size() for t in layer.meta.values()

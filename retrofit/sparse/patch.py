@@ -94,8 +94,8 @@ class SparseSession:
             out = self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             self.method.prepare(layer, start, end)
             return out
-        if not layer.static:  # a static cache's upkeep runs between steps (maintain), outside a captured step
-            self.method.maintain(layer, layer.length)
+        if not layer.static:  # upkeep over the tokens before this step's (a static cache's runs between steps)
+            self.method.maintain(layer, layer.length - 1)
         self.method.prepare_step(layer)
         q = query[:, :, 0, :].contiguous()
         selection = self.method.select(layer, q)

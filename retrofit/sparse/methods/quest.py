@@ -72,6 +72,9 @@ class Quest(SparseMethod):
             self.page_size = default_page_size(head_dim)
             self._check_page_size()
 
+    def keeps_dense(self, layer) -> bool:
+        return layer.layer_idx in self.dense_layers
+
     def _page_buffers(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """page_min, page_max [B, Hkv, P, D] for the P pages of the buffer (grown with a growing cache)."""
         B, H, _, D = layer.keys.shape

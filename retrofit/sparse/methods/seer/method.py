@@ -159,6 +159,9 @@ class SeerAttention(SparseMethod):
             self._placed[key].load_state_dict(self._gates.state_dict())
         return self._placed[key][layer.layer_idx]
 
+    def keeps_dense(self, layer) -> bool:
+        return layer.layer_idx not in self._gates
+
     def _gate_keys(self, layer, gate: SeerGate) -> torch.Tensor:
         """[B, Hkv, NB, hidden] gate keys of the NB blocks of the buffer (grown with a growing cache)."""
         B, H = layer.keys.shape[:2]
