@@ -249,3 +249,46 @@ def test_gpu_bench_memory_accounts_for_the_cache():
     assert point.cache_bytes == 2 * (2 * 8 * 128 * 2 * 2 * 4352 + 8)
     assert point.peak_delta_bytes >= point.cache_bytes
     assert point.memory_kind == "cuda allocated"
+
+
+def test_floor_is_the_weights_and_the_valid_keys_over_the_bandwidth():
+    from retrofit.bench.floor import weight_bytes_read
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=2)
+    parameters = sum(p.numel() for p in model.parameters())  # tied embeddings: each weight counted once
+    assert weight_bytes_read(model) == parameters * 4  # every weight is read once per step (the output layer too)
+    point = measure_point(model, "dense", context=40, batch=3, decode_tokens=4, bandwidth=1e9)
+    # 2 layers x K and V x 3 kv heads x 64 dims x 4 bytes x 3 rows x (40 + 4 / 2) positions on average
+    kv = 2 * 2 * 3 * 64 * 4 * 3 * (40 + 2)
+    assert point.floor_s_per_token == pytest.approx((parameters * 4 + kv) / 1e9, rel=1e-12)
+    assert point.floor_ratio == point.decode_s_per_token / point.floor_s_per_token
+
+
+def test_repeats_report_the_median_and_its_spread():
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=1)
+    point = measure_point(model, "dense", context=16, batch=1, decode_tokens=2, repeats=3, warmup=1)
+    assert point.repeats == 3 and point.decode_spread >= 0 and point.prefill_spread >= 0
+    assert point.captured is False  # no CUDA here: the step ran eagerly
+
+
+def test_transformers_compile_refuses_sparse_variants_in_their_rows():
+    from retrofit.sparse import sparse_decoding
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=1)
+    with sparse_decoding(model, method="quest", budget=64):
+        point = measure_point(model, "quest@64", context=16, batch=1, decode_tokens=2, engine="transformers-compile")
+    assert point.error.startswith("refused: transformers' static cache and torch.compile cannot run sparse decoding")
+
+
+def test_composed_variant_sparsifies_the_converted_hybrids_softmax_layers():
+    from retrofit.sparse.patch import active_session
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=4)
+    variant = parse_variant_spec("convert:gdn:not:every:4+quest:budget=64,dense_layers=")
+    assert variant.name == "convert:gdn:not:every:4+quest@64,dense_layers="
+    assert variant.describe(model)["converted_layers"] == [0, 1, 2]
+    with variant.open(model, None) as opened:
+        assert list(active_session(opened).layers) == [3]  # the one softmax layer left
+        point = measure_point(opened, variant.name, context=40, batch=1, decode_tokens=3)
+    assert point.error is None and point.decode_s_per_token > 0
+    assert active_session(opened) is None  # closed with the variant

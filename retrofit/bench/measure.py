@@ -193,8 +193,15 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
             return time_retrofit(model, input_ids, decode_tokens)
         return time_transformers(model, input_ids, decode_tokens, compiled=engine == "transformers-compile")
 
-    for _ in range(warmup):
-        timed()
+    try:
+        for _ in range(warmup + (1 if engine == "transformers-compile" else 0)):  # compiling is not timed
+            timed()
+    except Exception as error:  # noqa: BLE001 - transformers' compiled path fails on models it does not support
+        if engine != "transformers-compile":
+            raise
+        first = (str(error).strip().splitlines() or [""])[0][:120]
+        return failed_point(variant, context, batch, decode_tokens,
+                            f"transformers-compile failed here: {type(error).__name__}: {first}", engine)
     samples = []
     with MemoryProbe(device) as probe:
         samples.append(timed())
