@@ -13,7 +13,7 @@ Attention: the engine runs the model's softmax layers through its own attention 
 chunks run the model's own implementation (SDPA, eager, ...) over the positions written so far, with transformers'
 masks. A decode token attends over the static buffer through ``retrofit.kernels.sparse_decode_attention`` with a
 selection of every block (the kernel reads only each row's valid positions ``[row_start, written)``; GQA reads each
-key once per group). Inside ``retrofit.sparse_decoding`` the session's layers go to the session, which selects.
+key once per group); where the kernels run their PyTorch paths (the CPU), through SDPA with the mask of that range. Inside ``retrofit.sparse_decoding`` the session's layers go to the session, which selects.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from transformers.cache_utils import StaticCache
 from retrofit.errors import RetrofitError
 from retrofit.generation.inputs import cache_keyword
 from retrofit.generation.sampling import TokenChooser
+from retrofit.kernels import backend_for
 from retrofit.kernels.sparse_decode import sparse_decode_attention
 from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
                                                  mask_function_of)
@@ -94,6 +95,7 @@ class StaticGeneration:
         self.base_mask = mask_function_of(model)
         self.chunk_start = self.chunk_end = 0
         self.all_blocks: AllBlocks | None = None
+        self.positions_of_buffer: torch.Tensor | None = None
         # the device state a decode step reads and updates in place
         device, B = self.device, self.batch
         self.row_start = (self.prompt_length - attention_mask.sum(-1)).to(torch.int32)
@@ -122,14 +124,26 @@ class StaticGeneration:
             end = self.chunk_end
             return dense_attention(self.implementation, module, query, key[:, :, :end], value[:, :, :end],
                                    attention_mask, **kwargs)
+        written = layer.cumulative_length  # device counter of the layer: no host read
+        if backend_for(query.device) == "torch":  # the PyTorch path: SDPA over the valid range, a few operations
+            return self._sdpa_decode(layer, query, written, kwargs.get("scaling")), None
         if self.all_blocks is None:
             self.all_blocks = AllBlocks.of(layer.keys)
         blocks = self.all_blocks
-        written = layer.cumulative_length.expand(self.batch)  # device counter of the layer: no host read
         out = sparse_decode_attention(query[:, :, 0], layer.keys, layer.values, blocks.indices, blocks.counts,
-                                      self.row_start, written, block_size=blocks.block_size,
+                                      self.row_start, written.expand(self.batch), block_size=blocks.block_size,
                                       scale=kwargs.get("scaling"))
         return out[:, None], None
+
+    def _sdpa_decode(self, layer, query: torch.Tensor, written: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """query ``[B, Hq, 1, D]`` over the layer's valid positions ``[row_start, written)`` -> ``[B, 1, Hq, D]``."""
+        if self.positions_of_buffer is None:
+            self.positions_of_buffer = torch.arange(layer.keys.shape[2], device=query.device)
+        valid = (self.positions_of_buffer >= self.row_start[:, None]) & (self.positions_of_buffer < written)
+        out = torch.nn.functional.scaled_dot_product_attention(query, layer.keys, layer.values,
+                                                               attn_mask=valid[:, None, None, :], scale=scale,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2)
 
     def mask(self, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
              attention_mask: torch.Tensor | None = None, **kwargs):
