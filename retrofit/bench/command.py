@@ -38,11 +38,12 @@ Engines (--engine): retrofit (default; static cache, decode step captured as a C
 \b
 Examples:
   retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 --json bench.json
-  retrofit bench llama3-8b --context 4k,32k,128k --batch 1,8 --device cuda --dtype bfloat16 \\
+  retrofit bench llama3-8b --context 4k,32k,127k --batch 1,8 --device cuda --dtype bfloat16 \\
       --variant quest:budget=2048 --variant clusterkv:budget=2048 --variant seer:budget=2048,random_gates=true \\
       --variant streaming:budget=2048 --variant convert:gdn:not:every:4 --variant convert:kda:not:every:4 \\
       --variant "convert:gdn:not:every:4+quest:budget=2048" --engine retrofit --json bench_retrofit.json
-  (the same with --engine transformers and --engine transformers-compile)
+  (the same with --engine transformers and --engine transformers-compile; 127k: the prompt and the
+  decode tokens + 3 must fit in the config's 131072 positions)
   retrofit bench smollm2-135m --layers 2 --context 256 --batch 1,2 --decode-tokens 8 \\
       --variant convert:gdn:not:every:4 --variant quest:budget=64
 """
