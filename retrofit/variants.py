@@ -9,7 +9,8 @@ memory, e.g. of a random-weight 8B hybrid that has no checkpoint).
 Spec strings (``--variant``): ``dense``; ``hybrid:DIR``; ``convert:KIND:LAYERS`` (KIND gdn or kda, LAYERS a
 ``--layers`` spec without scoring, e.g. ``convert:gdn:not:every:4`` = 3 of 4 layers GDN);
 ``METHOD:budget=N[,key=value...]`` for sparse decoding, e.g. ``quest:budget=256,page_size=16`` (named
-``quest@256,page_size=16``).
+``quest@256,page_size=16``); ``A+B`` composes two, e.g. ``convert:gdn:not:every:4+quest:budget=2048`` (Quest on a
+converted hybrid's softmax layers).
 """
 from __future__ import annotations
 
@@ -176,9 +177,27 @@ def convert(layer_type: str, layers: str) -> Variant:
     return Variant(name, opener, describer)
 
 
+def composed(outer: Variant, inner: Variant) -> Variant:
+    """``inner`` opened on the model ``outer`` yields (e.g. sparse decoding on a converted hybrid), named
+    ``OUTER+INNER``; both are checked against the dense model."""
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        with outer.open(model, tokenizer) as first, inner.open(first, tokenizer) as second:
+            yield second
+
+    def describer(model) -> dict:
+        return {**inner.describe(model), **outer.describe(model)}
+
+    return Variant(f"{outer.name}+{inner.name}", opener, describer)
+
+
 def parse_variant_spec(spec: str) -> Variant:
-    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS`` or
-    ``METHOD:budget=N[,key=value...]``."""
+    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS``,
+    ``METHOD:budget=N[,key=value...]``, or ``A+B`` (variant B opened on what variant A yields)."""
+    if "+" in spec:
+        outer, _, inner = spec.partition("+")
+        return composed(parse_variant_spec(outer), parse_variant_spec(inner))
     head, _, rest = spec.partition(":")
     head = head.strip()
     if head == "dense" and not rest:
