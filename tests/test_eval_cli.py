@@ -4,25 +4,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
+from _cli_runner import assert_one_line_error, run
 
-from retrofit._entry import cli_module
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.table import markdown_table
 from retrofit.variants import parse_variant_spec, variants_from_options
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli_module().main, list(args))
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_unknown_task_suggests_the_closest(eval_data_dir):

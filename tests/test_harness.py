@@ -10,25 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from retrofit._entry import cli_module
+from _cli_runner import assert_one_line_error
+from _cli_runner import run as run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 RETROFIT = Path(sys.executable).with_name("retrofit")
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def run_cli(*args: str):
-    return CliRunner().invoke(cli_module().main, list(args))
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def lm_eval(tmp_path: Path, *args: str) -> dict:
