@@ -36,7 +36,7 @@ VARIANTS (dense always runs first):
 \b
 Examples:
   retrofit eval smollm2-135m --tasks wikitext2,piqa --data-dir data/eval --limit 200
-  retrofit eval smollm2-135m --tasks piqa,arc_easy,hellaswag --data-dir data/eval --hybrid out/smollm2-gdn \
+  retrofit eval smollm2-135m --tasks piqa,arc_easy,hellaswag --data-dir data/eval --hybrid out/smollm2-gdn \\
       --json out.json --log-samples samples.jsonl
   retrofit eval smollm2-135m --tasks niah_single,passkey --context-length 2k,4k \\
       --sparse streaming --budget 512 --json out.json --plot out.png
