@@ -21,6 +21,7 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALL
 def lm_eval(tmp_path: Path, *args: str) -> dict:
     """`retrofit lm-eval ARGS --output_path OUT` in a fresh offline process; returns lm-eval's results JSON."""
     out = tmp_path / "lm-eval-out"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **OFFLINE}
     completed = subprocess.run([str(RETROFIT), "lm-eval", *args, "--device", "cpu", "--output_path", str(out)],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3000)
@@ -107,6 +108,8 @@ def test_lm_eval_hf_retrofit_model_and_retrofit_eval_agree_on_piqa(smollm2, eval
     model, tokenizer = smollm2
     ours = run_eval(model, tokenizer, build_jobs(["piqa"], EvalSettings(data_dir=eval_data_dir, limit=200)), [],
                     batch_size=8).results["dense"]["piqa"]
+    print(f"\nretrofit eval, PIQA first 200: acc {ours['acc']:.4f} ± {ours['acc_stderr']:.4f}, "
+          f"acc_norm {ours['acc_norm']:.4f} ± {ours['acc_norm_stderr']:.4f}")
     task = ["--tasks", "retrofit_piqa", "--metadata", f"data_dir={eval_data_dir}", "--limit", "200",
             "--batch_size", "8"]
     hf = lm_eval(tmp_path / "hf", "--model", "hf", "--model_args",
