@@ -176,3 +176,35 @@ def test_written_task_holds_retrofit_evals_prompts(smollm2, tmp_path):
     assert process_results(records[0], [" " + ", ".join(answers)]) == {"score": 1.0, "partial": 1.0}
     assert process_results(records[0], [answers[0]]) == {"score": 0.0, "partial": 0.25}
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_hybrid_checkpoint_scores_the_same_in_lm_eval_and_retrofit_eval(smollm2, eval_data_dir, tmp_path):
+    """model_args pretrained=DIR loads a hybrid through retrofit.load; lm-eval's per-choice log-likelihoods equal
+    retrofit eval's on the same items (same tokens, both unpadded-equivalent float32 forwards)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from retrofit.convert.build import to_hybrid
+    from retrofit.eval.multiple_choice import evaluate_multiple_choice, item_outcomes, load_jsonl
+    from retrofit.harness import TASKS_DIR
+    from retrofit.hybrid import HybridSection, save_hybrid
+    from retrofit.load import load
+
+    dense_model, tokenizer = smollm2
+    save_hybrid(to_hybrid(dense_model, HybridSection(layers=[15], layer_type="gdn", base_model_type="llama")),
+                tokenizer, tmp_path / "gdn15")
+    hybrid, hybrid_tokenizer = load(str(tmp_path / "gdn15"))
+    items = load_jsonl(eval_data_dir / "piqa.jsonl", limit=3)
+    _, scores = evaluate_multiple_choice(hybrid, hybrid_tokenizer, items, batch_size=4)
+    ours = item_outcomes(items, scores)
+    results = lm_eval.simple_evaluate(
+        model="retrofit", model_args=f"pretrained={tmp_path / 'gdn15'}", tasks=["retrofit_piqa"], limit=3,
+        batch_size=4, device="cpu", log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), metadata={"data_dir": str(eval_data_dir)}))
+    samples = sorted(results["samples"]["retrofit_piqa"], key=lambda sample: sample["doc_id"])
+    theirs = [[response[0][0] for response in sample["resps"]] for sample in samples]
+    assert results["config"]["model_args"] == f"pretrained={tmp_path / 'gdn15'}"
+    for mine, lm_evals in zip(ours, theirs):
+        # sums of ~20-60 float32 log-probabilities; batching differs (padding), 1e-4 as in test_eval_scoring
+        assert mine["loglikelihoods"] == pytest.approx(lm_evals, abs=1e-4)
+    assert results["results"]["retrofit_piqa"]["acc,none"] == sum(record["acc"] for record in ours) / 3
