@@ -55,41 +55,62 @@ def inspect(model: str, device: str, dtype: str) -> None:
     click.echo(describe(loaded, name=model))
 
 
-@main.command(help="Generate from MODEL, streaming tokens to stdout; tokens/s on stderr at the end.\n\nMODEL: "
-                   + MODEL_HELP + "\n\n\b\nExample:\n  retrofit generate smollm2-135m --chat --prompt "
-                   "\"What is the capital of France?\"",
+@main.command(help="Generate from MODEL with retrofit's decode engine (static cache; on CUDA the decode step is "
+                   "replayed as a CUDA graph), streaming the text to stdout; tokens/s on stderr at the end.\n\nMODEL: "
+                   + MODEL_HELP + "\n\n\b\nExamples:\n  retrofit generate smollm2-135m --chat --prompt "
+                   "\"What is the capital of France?\"\n  retrofit generate smollm2-135m --prompt \"Once upon a time\" "
+                   "--temperature 0.8 --top-p 0.95 --seed 1\n  retrofit generate smollm2-135m --prompt \"...\" "
+                   "--sparse quest --budget 1024",
               short_help="Generate text (dense, hybrid or sparse decoding).")
 @click.argument("model")
 @click.option("--prompt", required=True, help="The text to continue (or the user message with --chat).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="0 decodes greedily.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="0 decodes greedily; above 0 samples at that temperature.")
+@click.option("--top-p", default=None, type=float, help="Sample from the smallest set of tokens reaching this "
+              "probability (needs --temperature > 0).")
+@click.option("--seed", default=None, type=int, help="Seed of the sampling (needs --temperature > 0).")
 @click.option("--sparse", "sparse_method", default=None,
               help="Sparse decoding method: streaming, quest, clusterkv, retrieval or seer (default: dense).")
 @click.option("--budget", default=2048, show_default=True, type=int, help="Tokens read per KV head per step (--sparse).")
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="K=V",
               help="A method parameter, e.g. page_size=16 or gate_path=runs/smol.gates. Repeatable.")
 @model_options
-def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, sparse_method: str | None,
-             budget: int, sparse_args: tuple[str, ...], device: str, dtype: str) -> None:
+def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, top_p: float | None,
+             seed: int | None, sparse_method: str | None, budget: int, sparse_args: tuple[str, ...], device: str,
+             dtype: str) -> None:
     from contextlib import nullcontext
 
-    from retrofit.generation import stream_generate
+    from retrofit.generation import SamplingOptions, stream_generate
     from retrofit.load import load
     from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding
 
+    # bad options fail before the model is loaded
+    if max_new_tokens <= 0:
+        raise RetrofitError(f"--max-new-tokens must be a positive number of tokens, got {max_new_tokens}")
+    if temperature < 0:
+        raise RetrofitError(f"--temperature must be 0 (greedy) or above, got {temperature}")
+    sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p,
+                    seed=seed)
+    try:
+        SamplingOptions.checked(**sampling)
+    except RetrofitError:
+        given = " and ".join(option for option, value in (("--top-p", top_p), ("--seed", seed)) if value is not None)
+        if temperature == 0 and given:
+            raise RetrofitError(f"{given} only apply to sampling: give a --temperature above 0 (0 is greedy)") from None
+        raise
     if sparse_args and not sparse_method:
         raise RetrofitError("--sparse-arg needs --sparse METHOD")
     params = parse_sparse_args(sparse_args) if sparse_method else {}
-    if sparse_method:  # bad --sparse/--budget/--sparse-arg fail before loading
+    if sparse_method:
         build_method(sparse_method, budget, **{k: v for k, v in params.items() if k not in ("layers", "kernel")})
     loaded, tokenizer = load(model, dtype=dtype, device=device)
     patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
     started = time.perf_counter()
     with patch:
         new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, out=sys.stdout)
+                                     out=sys.stdout, **sampling)
     seconds = time.perf_counter() - started
     click.echo(f"\n[{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s]", err=True)
 

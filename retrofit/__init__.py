@@ -1,8 +1,9 @@
 """retrofit: make long context cheap for pretrained dense causal LMs.
 
     model, tokenizer = retrofit.load("smollm2-135m")
+    ids = retrofit.generate(model, input_ids, attention_mask, max_new_tokens=64)   # static cache, sync-free steps
     with retrofit.sparse_decoding(model, method="quest", budget=1024):
-        model.generate(...)
+        ids = retrofit.generate(model, input_ids, attention_mask, max_new_tokens=64)   # or model.generate(...)
 """
 from retrofit.errors import RetrofitError
 from retrofit.load import load
@@ -16,7 +17,7 @@ _register_hybrid_models()
 _register_harness_model()
 
 __version__ = "0.1.0"
-__all__ = ["load", "sparse_decoding", "RetrofitError", "__version__"]
+__all__ = ["load", "generate", "sparse_decoding", "RetrofitError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,4 +26,8 @@ def __getattr__(name: str):
         from retrofit.sparse import sparse_decoding
 
         return sparse_decoding
+    if name == "generate":
+        from retrofit.generation import generate
+
+        return generate
     raise AttributeError(f"module 'retrofit' has no attribute {name!r}")

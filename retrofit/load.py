@@ -9,7 +9,6 @@ as a float32 safetensors directory under the user's cache dir (``$RETROFIT_CACHE
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ import torch
 from retrofit.atomic import atomic_path
 from retrofit.devices import parse_device, parse_dtype
 from retrofit.errors import RetrofitError
+from retrofit.model_files import check_model_dir, read_config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -85,8 +85,7 @@ def _resolve_local_or_hub(source: str) -> tuple[str, str | None]:
             raise RetrofitError(f"no such GGUF file: {source}")
         return str(path.parent), path.name
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise RetrofitError(f"{source} is not a model directory (no config.json in it)")
+        check_model_dir(path)
         return str(path), None
     if path.exists():
         raise RetrofitError(f"{source} is not a model: expected a model directory (with config.json) or a .gguf file")
@@ -99,17 +98,19 @@ def _resolve_local_or_hub(source: str) -> tuple[str, str | None]:
 def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from safetensors import SafetensorError
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight file is noise for a 1-file model
 
     local = Path(path).is_dir()
-    if local and gguf_file is None:
-        raw_config = json.loads((Path(path) / "config.json").read_text())
-        if "retrofit" in raw_config:
-            from retrofit.hybrid import load_hybrid
+    if local and gguf_file is None and "retrofit" in read_config(path):
+        from retrofit.hybrid import load_hybrid
 
+        try:
             return load_hybrid(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+            raise RetrofitError(f"{source}: cannot load the hybrid checkpoint ({_first_line(err)})") from None
     try:
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except OSError as err:
@@ -128,7 +129,7 @@ def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.d
     try:
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-    except OSError as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None
     return model, tokenizer
 

@@ -9,7 +9,8 @@ memory, e.g. of a random-weight 8B hybrid that has no checkpoint).
 Spec strings (``--variant``): ``dense``; ``hybrid:DIR``; ``convert:KIND:LAYERS`` (KIND gdn or kda, LAYERS a
 ``--layers`` spec without scoring, e.g. ``convert:gdn:not:every:4`` = 3 of 4 layers GDN);
 ``METHOD:budget=N[,key=value...]`` for sparse decoding, e.g. ``quest:budget=256,page_size=16`` (named
-``quest@256,page_size=16``).
+``quest@256,page_size=16``); ``A+B`` composes two, e.g. ``convert:gdn:not:every:4+quest:budget=2048`` (Quest on a
+converted hybrid's softmax layers).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Callable, ContextManager, Iterator
 
 from retrofit.cliargs import parse_pairs, split_pairs
 from retrofit.errors import RetrofitError
+from retrofit.model_files import check_model_dir
 from retrofit.registry import Registry
 
 
@@ -104,6 +106,13 @@ def hybrid(path: str) -> Variant:
     directory = Path(path)
     if not directory.is_dir():
         raise RetrofitError(f"--hybrid {path}: no such directory")
+    try:
+        config = check_model_dir(directory)  # a damaged or non-model directory fails before dense runs
+    except RetrofitError as error:
+        raise RetrofitError(f"--hybrid {path}: {error}") from None
+    if "retrofit" not in config:
+        raise RetrofitError(f"--hybrid {path}: not a hybrid checkpoint (its config.json has no retrofit section; "
+                            "evaluate a dense model as MODEL)")
 
     @contextlib.contextmanager
     def opener(model, tokenizer) -> Iterator[object]:
@@ -172,9 +181,27 @@ def convert(layer_type: str, layers: str) -> Variant:
     return Variant(name, opener, describer)
 
 
+def composed(outer: Variant, inner: Variant) -> Variant:
+    """``inner`` opened on the model ``outer`` yields (e.g. sparse decoding on a converted hybrid), named
+    ``OUTER+INNER``; both are checked against the dense model."""
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        with outer.open(model, tokenizer) as first, inner.open(first, tokenizer) as second:
+            yield second
+
+    def describer(model) -> dict:
+        return {**inner.describe(model), **outer.describe(model)}
+
+    return Variant(f"{outer.name}+{inner.name}", opener, describer)
+
+
 def parse_variant_spec(spec: str) -> Variant:
-    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS`` or
-    ``METHOD:budget=N[,key=value...]``."""
+    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS``,
+    ``METHOD:budget=N[,key=value...]``, or ``A+B`` (variant B opened on what variant A yields)."""
+    if "+" in spec:
+        outer, _, inner = spec.partition("+")
+        return composed(parse_variant_spec(outer), parse_variant_spec(inner))
     head, _, rest = spec.partition(":")
     head = head.strip()
     if head == "dense" and not rest:

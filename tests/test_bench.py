@@ -41,10 +41,14 @@ def test_layers_truncates_depth():
 def test_cache_bytes_are_exactly_the_kv_held():
     model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=2)
     point = measure_point(model, "dense", context=40, batch=3, decode_tokens=3)
-    # 2 layers x (K and V) x 3 KV heads x head dim 64 x 4 bytes x batch 3 x (40 prompt + 3 fed-back tokens)
-    assert point.cache_bytes == 2 * 2 * 3 * 64 * 4 * 3 * (40 + 3)
+    # retrofit's static cache: 2 layers x (K and V) x 3 KV heads x head dim 64 x 4 bytes x batch 3 x 256 positions
+    # (40 prompt + 6 new tokens, rounded up to the 256-position bucket), plus each layer's int64 write counter
+    assert point.cache_bytes == 2 * 2 * 3 * 64 * 4 * 3 * 256 + 2 * 8
     assert point.prefill_s > 0 and point.decode_s_per_token > 0
     assert point.peak_bytes >= point.peak_delta_bytes
+    grown = measure_point(model, "dense", context=40, batch=3, decode_tokens=3, engine="transformers")
+    # transformers' growing cache: the 40 prompt positions + 3 fed-back tokens
+    assert grown.cache_bytes == 2 * 2 * 3 * 64 * 4 * 3 * (40 + 3)
 
 
 def test_tensor_bytes_counts_each_storage_once():
@@ -74,7 +78,7 @@ def test_bench_cli_json_and_table(tmp_path):
     assert all(p["variant"] == "dense" and p["error"] is None for p in points)
     assert payload["config"]["layers"] == 2 and payload["config"]["dtype"] == "float32"
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("| variant | context | batch | prefill s |")
+    assert lines[0].startswith("| variant | engine | context | batch | prefill s |")
     assert len([line for line in lines if line.startswith("| dense |")]) == 4
 
 
@@ -91,11 +95,12 @@ def test_bench_unknown_layers_for_a_model_path(tmp_path):
 
 
 def hybrid_cache_bytes(batch: int, tokens: int, dtype_bytes: int, kv_layers: int, gdn_layers: int, q_heads: int,
-                       kv_heads: int, head_dim: int, conv_size: int = 4) -> int:
+                       kv_heads: int, head_dim: int, conv_size: int = 4, counters: bool = True) -> int:
     """What a hybrid's generation cache must hold, by arithmetic: each softmax layer keeps K and V
-    ``[B, H_kv, tokens, D]`` in the model dtype; each GDN layer keeps a conv state ``[B, (H_q + 2 H_kv) D, W - 1]``
-    in the model dtype and a recurrent state ``[B, H_kv, D, D]`` in float32, whatever the prompt length."""
-    kv = kv_layers * 2 * batch * kv_heads * tokens * head_dim * dtype_bytes
+    ``[B, H_kv, tokens, D]`` in the model dtype (and, in a static cache, an int64 write counter); each GDN layer
+    keeps a conv state ``[B, (H_q + 2 H_kv) D, W - 1]`` in the model dtype and a recurrent state ``[B, H_kv, D, D]``
+    in float32, whatever the prompt length."""
+    kv = kv_layers * (2 * batch * kv_heads * tokens * head_dim * dtype_bytes + (8 if counters else 0))
     conv = batch * (q_heads + 2 * kv_heads) * head_dim * (conv_size - 1) * dtype_bytes
     recurrent = batch * kv_heads * head_dim * head_dim * 4
     return kv + gdn_layers * (conv + recurrent)
@@ -107,11 +112,12 @@ def test_converted_cache_bytes_are_one_kv_layer_plus_three_states():
     assert variant.describe(model)["converted_layers"] == [0, 1, 2]
     with variant.open(model, None) as hybrid:
         point = measure_point(hybrid, variant.name, context=40, batch=3, decode_tokens=3)
-    # SmolLM2: 9 q heads, 3 kv heads, head dim 64; layer 3 softmax over 40 prompt + 3 fed-back tokens, layers 0-2 GDN:
-    # 3 x (conv 3 x 960 x 3 + recurrent 3 x 3 x 64 x 64) float32 values; equality: the cache holds nothing else
-    assert point.cache_bytes == hybrid_cache_bytes(3, 40 + 3, 4, kv_layers=1, gdn_layers=3, q_heads=9, kv_heads=3,
+    # SmolLM2: 9 q heads, 3 kv heads, head dim 64; layer 3 softmax over the 256-position static buffer (40 prompt +
+    # 6 new tokens, rounded up), layers 0-2 GDN: 3 x (conv 3 x 960 x 3 + recurrent 3 x 3 x 64 x 64) float32 values;
+    # equality: the cache holds nothing else
+    assert point.cache_bytes == hybrid_cache_bytes(3, 256, 4, kv_layers=1, gdn_layers=3, q_heads=9, kv_heads=3,
                                                    head_dim=64)
-    assert point.cache_bytes == 2 * 3 * 3 * 43 * 64 * 4 + 3 * (3 * 960 * 3 * 4 + 3 * 3 * 64 * 64 * 4)
+    assert point.cache_bytes == 2 * 3 * 3 * 256 * 64 * 4 + 8 + 3 * (3 * 960 * 3 * 4 + 3 * 3 * 64 * 64 * 4)
 
 
 def test_converted_states_do_not_grow_with_the_prompt():
@@ -119,9 +125,10 @@ def test_converted_states_do_not_grow_with_the_prompt():
     variant = parse_variant_spec("convert:gdn:0-2")
     with variant.open(model, None) as hybrid:
         short = measure_point(hybrid, variant.name, context=16, batch=2, decode_tokens=2).cache_bytes
-        long = measure_point(hybrid, variant.name, context=96, batch=2, decode_tokens=2).cache_bytes
-    # 80 more prompt tokens grow only the one softmax layer's K and V (batch 2, 3 kv heads, dim 64, float32)
-    assert long - short == 2 * 2 * 3 * 80 * 64 * 4
+        long = measure_point(hybrid, variant.name, context=16 + 256, batch=2, decode_tokens=2).cache_bytes
+    # 256 more prompt tokens (one more 256-position bucket) grow only the one softmax layer's K and V (batch 2,
+    # 3 kv heads, dim 64, float32)
+    assert long - short == 2 * 2 * 3 * 256 * 64 * 4
 
 
 def test_convert_variant_shares_weights_leaves_dense_intact_and_is_released():
@@ -210,8 +217,9 @@ def test_bench_cli_dense_and_converted_side_by_side(tmp_path):
         for batch in (1, 2):
             dense, hybrid = points[("dense", context, batch)], points[(name, context, batch)]
             assert dense["error"] is None and hybrid["error"] is None
-            assert dense["cache_bytes"] == 4 * 2 * batch * 3 * (context + 2) * 64 * 4
-            assert hybrid["cache_bytes"] == hybrid_cache_bytes(batch, context + 2, 4, kv_layers=1, gdn_layers=3,
+            # static caches of 256 positions (context + 5 new tokens, rounded up), an int64 counter per layer
+            assert dense["cache_bytes"] == 4 * (2 * batch * 3 * 256 * 64 * 4 + 8)
+            assert hybrid["cache_bytes"] == hybrid_cache_bytes(batch, 256, 4, kv_layers=1, gdn_layers=3,
                                                                q_heads=9, kv_heads=3, head_dim=64)
             assert hybrid["prefill_s"] > 0 and hybrid["decode_tokens_per_s"] > 0
     lines = result.stdout.splitlines()
@@ -225,8 +233,9 @@ def test_gpu_converted_cache_bytes_in_bfloat16():
     model = build_random_model("llama3-8b", torch.bfloat16, torch.device("cuda"), layers=4)
     with parse_variant_spec("convert:gdn:not:every:4").open(model, None) as hybrid:
         point = measure_point(hybrid, "convert", context=4096, batch=2, decode_tokens=4)
-    # Llama-3-8B: 32 q heads, 8 kv heads, head dim 128; layer 3 softmax over 4096 + 4 tokens, layers 0-2 GDN
-    assert point.cache_bytes == hybrid_cache_bytes(2, 4096 + 4, 2, kv_layers=1, gdn_layers=3, q_heads=32, kv_heads=8,
+    # Llama-3-8B: 32 q heads, 8 kv heads, head dim 128; layer 3 softmax over 4096 + 7 tokens rounded up to 4352
+    # positions, layers 0-2 GDN
+    assert point.cache_bytes == hybrid_cache_bytes(2, 4352, 2, kv_layers=1, gdn_layers=3, q_heads=32, kv_heads=8,
                                                    head_dim=128)
     assert point.peak_delta_bytes >= point.cache_bytes
 
@@ -236,7 +245,50 @@ def test_gpu_bench_memory_accounts_for_the_cache():
     """On CUDA the allocator peak over the weights must cover the KV cache that generate() kept."""
     model = build_random_model("llama3-8b", torch.bfloat16, torch.device("cuda"), layers=2)
     point = measure_point(model, "dense", context=4096, batch=2, decode_tokens=4)
-    # 2 layers x K,V x 8 KV heads x 128 x 2 bytes x batch 2 x (4096 + 4)
-    assert point.cache_bytes == 2 * 2 * 8 * 128 * 2 * 2 * (4096 + 4)
+    # 2 layers x (K,V x 8 KV heads x 128 x 2 bytes x batch 2 x (4096 + 7 rounded up to 4352) + an int64 counter)
+    assert point.cache_bytes == 2 * (2 * 8 * 128 * 2 * 2 * 4352 + 8)
     assert point.peak_delta_bytes >= point.cache_bytes
     assert point.memory_kind == "cuda allocated"
+
+
+def test_floor_is_the_weights_and_the_valid_keys_over_the_bandwidth():
+    from retrofit.bench.floor import weight_bytes_read
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=2)
+    parameters = sum(p.numel() for p in model.parameters())  # tied embeddings: each weight counted once
+    assert weight_bytes_read(model) == parameters * 4  # every weight is read once per step (the output layer too)
+    point = measure_point(model, "dense", context=40, batch=3, decode_tokens=4, bandwidth=1e9)
+    # 2 layers x K and V x 3 kv heads x 64 dims x 4 bytes x 3 rows x (40 + 4 / 2) positions on average
+    kv = 2 * 2 * 3 * 64 * 4 * 3 * (40 + 2)
+    assert point.floor_s_per_token == pytest.approx((parameters * 4 + kv) / 1e9, rel=1e-12)
+    assert point.floor_ratio == point.decode_s_per_token / point.floor_s_per_token
+
+
+def test_repeats_report_the_median_and_its_spread():
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=1)
+    point = measure_point(model, "dense", context=16, batch=1, decode_tokens=2, repeats=3, warmup=1)
+    assert point.repeats == 3 and point.decode_spread >= 0 and point.prefill_spread >= 0
+    assert point.captured is False  # no CUDA here: the step ran eagerly
+
+
+def test_transformers_compile_refuses_sparse_variants_in_their_rows():
+    from retrofit.sparse import sparse_decoding
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=1)
+    with sparse_decoding(model, method="quest", budget=64):
+        point = measure_point(model, "quest@64", context=16, batch=1, decode_tokens=2, engine="transformers-compile")
+    assert point.error.startswith("refused: transformers' static cache and torch.compile cannot run sparse decoding")
+
+
+def test_composed_variant_sparsifies_the_converted_hybrids_softmax_layers():
+    from retrofit.sparse.patch import active_session
+
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=4)
+    variant = parse_variant_spec("convert:gdn:not:every:4+quest:budget=64,dense_layers=")
+    assert variant.name == "convert:gdn:not:every:4+quest@64,dense_layers="
+    assert variant.describe(model)["converted_layers"] == [0, 1, 2]
+    with variant.open(model, None) as opened:
+        assert list(active_session(opened).layers) == [3]  # the one softmax layer left
+        point = measure_point(opened, variant.name, context=40, batch=1, decode_tokens=3)
+    assert point.error is None and point.decode_s_per_token > 0
+    assert active_session(opened) is None  # closed with the variant

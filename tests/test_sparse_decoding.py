@@ -120,8 +120,9 @@ def test_small_budget_reads_at_most_budget_keys(name, smollm2, seer_gates):
     assert int(read.min()) >= 4  # something is read: at least the sinks / the newest block
 
 
+@pytest.mark.parametrize("engine", ["transformers", "retrofit"])
 @pytest.mark.parametrize("name", METHODS.names())
-def test_small_budget_always_reads_the_newest_token(name, smollm2, seer_gates):
+def test_small_budget_always_reads_the_newest_token(name, engine, smollm2, seer_gates):
     """At every decode step, in every sparse layer, row and kv head, the selection contains the token being decoded
     (position kv_end - 1) and so the page/block it is written to. Quest used to top-k every page by its bound, so the
     newest, partial page (the decoded token and its neighbours) lost in ~27% of (row, layer, kv head) at budget 1024
@@ -143,7 +144,13 @@ def test_small_budget_always_reads_the_newest_token(name, smollm2, seer_gates):
             return selection
 
         method.select = recording_select  # the instance attribute shadows the class method the patch calls
-        _generate(model, tokenizer, inputs, max_new_tokens=4)
+        if engine == "retrofit":  # the static cache of retrofit.generate, its metadata updated on the device
+            import retrofit
+
+            retrofit.generate(model, inputs.input_ids, inputs.attention_mask, max_new_tokens=4,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=[])
+        else:
+            _generate(model, tokenizer, inputs, max_new_tokens=4)
     reads_newest = torch.cat(reads_newest)
     # 3 sparse decode steps x 30 layers (quest: dense_layers=()) x 2 rows x 3 kv heads
     assert reads_newest.numel() == 3 * 30 * 2 * 3

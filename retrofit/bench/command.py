@@ -26,12 +26,26 @@ Variants (dense always runs first, each variant after it; one model on the devic
       e.g. convert:gdn:not:every:4 = 3 of 4 layers GDN, every 4th layer (3, 7, ...) softmax.
       Weights other than the new layers are shared with the dense model, and freed after the variant.
 \b
+  --variant "convert:gdn:not:every:4+quest:budget=2048"       (repeatable)
+      A+B: variant B opened on the model variant A yields, e.g. sparse decoding on a converted hybrid's
+      softmax layers. seer:budget=N,random_gates=true: untrained gates of the right shape (speed only).
+\b
+Engines (--engine): retrofit (default; static cache, decode step captured as a CUDA graph on CUDA),
+  transformers (model.generate, growing cache), transformers-compile (model.generate with transformers'
+  static cache and torch.compile; sparse variants are refused in their rows). Each point: --warmup runs,
+  then --repeats timed runs; the table shows the medians, the spread, and the bytes floor of a step
+  (weights + keys/values or states read, over the copy bandwidth measured at the start of the run).
+\b
 Examples:
   retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 --json bench.json
-  retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 \\
-      --variant convert:gdn:not:every:4 --json bench_hybrid.json
-  retrofit bench smollm2-135m --layers 4 --context 256,512 --batch 1,2 --decode-tokens 8 \\
-      --variant convert:gdn:not:every:4
+  retrofit bench llama3-8b --context 4k,32k,127k --batch 1,8 --device cuda --dtype bfloat16 \\
+      --variant quest:budget=2048 --variant clusterkv:budget=2048 --variant seer:budget=2048,random_gates=true \\
+      --variant streaming:budget=2048 --variant convert:gdn:not:every:4 --variant convert:kda:not:every:4 \\
+      --variant "convert:gdn:not:every:4+quest:budget=2048" --engine retrofit --json bench_retrofit.json
+  (the same with --engine transformers and --engine transformers-compile; 127k: the prompt and the
+  decode tokens + 3 must fit in the config's 131072 positions)
+  retrofit bench smollm2-135m --layers 2 --context 256 --batch 1,2 --decode-tokens 8 \\
+      --variant convert:gdn:not:every:4 --variant quest:budget=64
 """
 
 
@@ -50,14 +64,19 @@ Examples:
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
               help="Variant spec (repeatable): METHOD:budget=N[,key=value...], hybrid:DIR or convert:KIND:LAYERS.")
+@click.option("--engine", type=click.Choice(["retrofit", "transformers", "transformers-compile"]), default="retrofit",
+              show_default=True, help="What generates: retrofit's engine, or transformers' generate (see above).")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median reported).")
+@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs per point before the timed ones.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
                   sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
-                  json_path: Path | None) -> None:
+                  engine: str, repeats: int, warmup: int, json_path: Path | None) -> None:
     from retrofit.atomic import write_json
     from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
-    from retrofit.bench.measure import run_bench
+    from retrofit.bench.floor import copy_bandwidth
+    from retrofit.bench.measure import SETTLE_STEPS, run_bench
     from retrofit.bench.report import markdown_table, variant_notes
     from retrofit.cliargs import parse_lengths
     from retrofit.devices import default_dtype, parse_device, parse_dtype
@@ -70,6 +89,8 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     batch_list = list(parse_lengths(batches, "--batch"))
     if decode_tokens <= 0:
         raise RetrofitError(f"--decode-tokens must be positive, got {decode_tokens}")
+    if repeats <= 0 or warmup < 0:
+        raise RetrofitError(f"--repeats must be positive and --warmup not negative, got {repeats} and {warmup}")
     variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
                                      list(variant_specs))
     dtype = dtype or default_dtype(device)
@@ -86,13 +107,17 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     build_seconds = time.perf_counter() - built
     details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run
     limit = max_model_length(model)
+    new_tokens = decode_tokens + SETTLE_STEPS + 1
     for context in context_list:
-        if context + decode_tokens + 1 > limit:
-            raise RetrofitError(f"--context {context} + {decode_tokens + 1} new tokens is over the model's limit of "
+        if context + new_tokens > limit:
+            raise RetrofitError(f"--context {context} + {new_tokens} new tokens is over the model's limit of "
                                 f"{limit} positions (max_position_embeddings)")
-    points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens)
+    bandwidth = copy_bandwidth(torch_device)
+    points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens, engine=engine,
+                       repeats=repeats, warmup=warmup, bandwidth=bandwidth)
     config = {"model": model_or_config, "source": source, "layers": model.config.num_hidden_layers,
               "contexts": context_list, "batches": batch_list, "decode_tokens": decode_tokens,
+              "engine": engine, "repeats": repeats, "warmup": warmup, "copy_bandwidth_bytes_per_s": bandwidth,
               "device": str(torch_device), "dtype": dtype, "build_seconds": build_seconds,
               "parameters": sum(p.numel() for p in model.parameters()),
               "variants": ["dense"] + [variant.name for variant in variants],
@@ -104,4 +129,4 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
         config["gpu"] = torch.cuda.get_device_name(torch_device)
     if json_path is not None:
         write_json(json_path, {"results": [point.to_json() for point in points], "config": config})
-    click.echo(markdown_table(points, variant_notes(details)))
+    click.echo(markdown_table(points, variant_notes(details), bandwidth))

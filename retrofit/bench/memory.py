@@ -82,24 +82,15 @@ class MemoryProbe:
             self.result.peak = hwm * 1024 if hwm is not None else current_rss_bytes()
 
 
-def tensor_bytes(obj, _seen_storages: set | None = None, _seen_objects: set | None = None, _depth: int = 0) -> int:
-    """Bytes of the distinct tensor storages reachable from ``obj`` (a transformers Cache, its layers, lists,
-    dicts and attributes; each storage counted once). This is what the cache really holds, metadata included."""
-    seen_storages = set() if _seen_storages is None else _seen_storages
-    seen_objects = set() if _seen_objects is None else _seen_objects
-    if _depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return 0
+def _tensors(obj, seen_objects: set, depth: int = 0):
+    """Every tensor reachable from ``obj`` through dicts, lists, tuples and plain objects' attributes (not modules)."""
+    if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "meta":
-            return 0
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), obj.device)
-        if key in seen_storages:
-            return 0
-        seen_storages.add(key)
-        return storage.nbytes()
+        yield obj
+        return
     if id(obj) in seen_objects:
-        return 0
+        return
     seen_objects.add(id(obj))
     if isinstance(obj, dict):
         children = list(obj.values())
@@ -108,5 +99,28 @@ def tensor_bytes(obj, _seen_storages: set | None = None, _seen_objects: set | No
     elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
         children = list(vars(obj).values())
     else:
-        return 0
-    return sum(tensor_bytes(child, seen_storages, seen_objects, _depth + 1) for child in children)
+        return
+    for child in children:
+        yield from _tensors(child, seen_objects, depth + 1)
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj`` (a transformers Cache, its layers, lists,
+    dicts and attributes; each storage counted once). This is what the cache really holds, metadata included."""
+    storages: set = set()
+    total = 0
+    for tensor in _tensors(obj, set()):
+        if tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), tensor.device)
+        if key not in storages:
+            storages.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def reachable_tensors(obj) -> set[tuple]:
+    """(identity, address, shape, dtype) of every tensor reachable from ``obj``: equal before and after some work
+    when the work allocated no new tensor for ``obj`` to hold and replaced none (it updated them in place)."""
+    return {(id(t), t.data_ptr(), tuple(t.shape), t.dtype) for t in _tensors(obj, set())}

@@ -38,29 +38,43 @@ def _layer_list(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def markdown_table(points: list[BenchPoint], notes: list[str] | None = None) -> str:
-    """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token and tokens/s (with the
-    speed-up over dense at the same point), peak memory, its rise over the start, and cache MiB; then a legend
-    and ``notes`` (one line each)."""
+def _percent(value: float) -> str:
+    return "" if math.isnan(value) else f"{100 * value:.0f}%"
+
+
+def markdown_table(points: list[BenchPoint], notes: list[str] | None = None, bandwidth: float | None = None) -> str:
+    """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token (median, with its spread over
+    the repeats) and tokens/s, the speed-up over dense at the same point, the bytes floor of a step and the ratio to
+    it, peak memory, its rise over the start, and cache MiB; then a legend and ``notes`` (one line each)."""
     dense = {(p.context, p.batch): p for p in points if p.variant == "dense"}
-    lines = ["| variant | context | batch | prefill s | prefill tok/s | decode ms/tok | decode tok/s | "
-             "vs dense | peak GiB | Δpeak GiB | cache MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | engine | context | batch | prefill s | prefill tok/s | decode ms/tok | spread | decode tok/s | "
+             "vs dense | floor ms | x floor | graph | peak GiB | Δpeak GiB | cache MiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for point in points:
-        head = f"| {point.variant} | {_context(point.context)} | {point.batch} |"
+        head = f"| {point.variant} | {point.engine} | {_context(point.context)} | {point.batch} |"
         if point.error:
-            lines.append(head + f" {point.error} |" + " |" * 7)
+            lines.append(head + f" {point.error} |" + " |" * 11)
             continue
         reference = dense.get((point.context, point.batch))
         ratio = (point.decode_tokens_per_s / reference.decode_tokens_per_s
                  if reference and not reference.error and reference.decode_tokens_per_s > 0 else math.nan)
+        graph = {True: "yes", False: "no", None: ""}[point.captured]
         lines.append(head + f" {point.prefill_s:.3f} | {point.prefill_tokens_per_s:,.0f} | "
-                     f"{1000 * point.decode_s_per_token:.2f} | {point.decode_tokens_per_s:,.1f} | {ratio:.2f}x | "
-                     f"{point.peak_bytes / GIB:.2f} | {point.peak_delta_bytes / GIB:.2f} | "
-                     f"{point.cache_bytes / MIB:,.1f} |")
+                     f"{1000 * point.decode_s_per_token:.2f} | {_percent(point.decode_spread)} | "
+                     f"{point.decode_tokens_per_s:,.1f} | {ratio:.2f}x | {1000 * point.floor_s_per_token:.3f} | "
+                     f"{point.floor_ratio:.1f} | {graph} | {point.peak_bytes / GIB:.2f} | "
+                     f"{point.peak_delta_bytes / GIB:.2f} | {point.cache_bytes / MIB:,.1f} |")
     memory_kind = next((p.memory_kind for p in points if p.memory_kind), "")
+    repeats = max((p.repeats for p in points), default=1)
     lines.append("")
-    lines.append(f"peak = highest {memory_kind} bytes during prefill+decode; Δpeak = peak minus the bytes in use "
-                 "before it (weights); cache = bytes held by the returned KV/state cache.")
+    lines.append(f"decode ms/tok = median of {repeats} timed runs per point (spread = (max - min) / median); floor = "
+                 "bytes a step reads (weights + the keys/values or states it reads) over the copy bandwidth"
+                 + (f" measured in this run ({bandwidth / 1e9:,.1f} GB/s)" if bandwidth else "")
+                 + "; x floor = decode / floor; graph = the decode step replayed as a captured CUDA graph "
+                 f"(retrofit engine); peak = highest {memory_kind} bytes during prefill+decode; Δpeak = peak minus the "
+                 "bytes in use before it (weights); cache = bytes held by the cache after the run.")
+    if any(p.captured is False and p.variant.startswith("retrieval") for p in points):
+        lines.append("retrieval: its decode step is not captured (the faiss search runs on the host): per sparse layer "
+                     "and step the query is copied to the host (a device synchronisation) and the hits back.")
     lines.extend(notes or [])
     return "\n".join(lines)

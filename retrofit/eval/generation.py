@@ -1,7 +1,8 @@
 """Batched greedy generation with LEFT padding (the long-context synthetic tasks decode through it).
 
-It runs ``retrofit.generation.decode_n`` on the model as the variant opened it, so a variant that patches decoding
-(sparse decoding installs its cache and attention on the model's forward) is the path that is measured.
+It runs ``retrofit.generate`` (the static-cache engine) on the model as the variant opened it, so a variant that
+patches decoding (inside ``sparse_decoding`` the engine drives the session's static sparse cache) is the path that is
+measured.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from retrofit.eval.loglikelihood import Throughput
-from retrofit.generation import decode_n, eos_token_ids, left_padded, pad_token_id
+from retrofit.generation import eos_token_ids, generate, left_padded, pad_token_id
 from retrofit.model_info import model_device
 
 
@@ -25,7 +26,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
     ``prompts``.
     """
     device = model_device(model)
-    pad = pad_token_id(tokenizer)
+    pad = pad_token_id(tokenizer, model)
     order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
     outputs: list[str | None] = [None] * len(prompts)
     progress = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
@@ -33,7 +34,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
         indices = order[start:start + batch_size]
         input_ids, attention_mask = left_padded([prompts[index] for index in indices], pad, device)
         began = time.perf_counter()
-        generated = decode_n(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+        generated = generate(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                              eos_token_id=eos_token_ids(model, tokenizer), pad_token_id=pad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -11,6 +11,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn as nn
 
+from retrofit.kernels import causal_conv1d_update
 from retrofit.layers.modules import GatedRMSNorm, ShortConvolution, l2_normalize, rotate
 from retrofit.layers.spec import AttentionShape, LinearAttentionSpec
 from retrofit.layers.state import cache_states, padding_mask, store_states
@@ -85,20 +86,27 @@ class DeltaRuleAttention(nn.Module):
         """hidden_states ``[B, T, hidden]`` -> ``(output [B, T, hidden], None)``; updates the cache if one is given.
 
         ``attention_mask`` (2-D or 4-D, as transformers passes it) only marks padding: a padded position is made an
-        identity step of the recurrence (k = v = 0, beta = 0, g = 0) and outputs zeros.
+        identity step of the recurrence (k = v = 0, beta = 0, g = 0) and outputs zeros. A decode token (T = 1, with
+        states in the cache) updates the cache's conv and recurrent states in place.
         """
         cache = cache if cache is not None else past_key_values
         x = hidden_states
         B, T, _ = x.shape
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        keep = padding_mask(attention_mask, B, T, x.device)
         conv_state, recurrent_state = cache_states(cache, self.layer_idx)
         decode = not self.training and T == 1
+        # a decode token is always a real one (generation feeds finished rows a pad token marked real), so a step
+        # reads no mask: no host read per layer and step
+        keep = None if decode else padding_mask(attention_mask, B, T, x.device)
+        in_place = decode and conv_state is not None  # the cache's states advance in place: nothing allocated
 
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if keep is not None:
             qkv = qkv * keep[..., None].to(qkv.dtype)
-        qkv, conv_state = self.conv(qkv, conv_state, decode=decode)
+        if in_place:
+            qkv = self.conv_step_in_place(qkv, conv_state)
+        else:
+            qkv, conv_state = self.conv(qkv, conv_state, decode=decode)
         if keep is not None:
             qkv = qkv * keep[..., None].to(qkv.dtype)
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -111,12 +119,23 @@ class DeltaRuleAttention(nn.Module):
         if keep is not None:
             beta = beta * keep[..., None]
             g = g * (keep[..., None, None] if g.dim() == 4 else keep[..., None])
-        run = type(self).recurrent_op if decode else type(self).chunk_op
-        o, recurrent_state = run(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None)
-        if cache is not None:
-            store_states(cache, self.layer_idx, conv_state, recurrent_state)
+        if in_place:
+            o, _ = type(self).recurrent_op(q, k, v, g, beta, initial_state=recurrent_state, inplace_state=True)
+        else:
+            run = type(self).recurrent_op if decode else type(self).chunk_op
+            o, recurrent_state = run(q, k, v, g, beta, initial_state=recurrent_state,
+                                     output_final_state=cache is not None)
+            if cache is not None:
+                store_states(cache, self.layer_idx, conv_state, recurrent_state)
         o = self.o_norm(o, self.output_gate(x))
         return self.o_proj(o.reshape(B, T, hq * d)), None
+
+    def conv_step_in_place(self, qkv: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """The short conv of one decode token ``qkv [B, 1, D]``, rolling the cache's ``conv_state [B, D, W-1]`` in
+        place -> ``[B, 1, D]``."""
+        conv = self.conv
+        y = causal_conv1d_update(qkv[:, 0], conv_state, conv.weight.to(qkv.dtype), conv.bias.to(qkv.dtype), "silu")
+        return y[:, None]
 
     def extra_repr(self) -> str:
         return (f"kind={self.layer_kind}, layer_idx={self.layer_idx}, heads={self.num_heads}, "

@@ -67,15 +67,22 @@ def _attention_configs(model: torch.nn.Module) -> list[Any]:
     return configs
 
 
+def mask_function_of(model: torch.nn.Module) -> Callable:
+    """The function transformers builds the model's attention masks with now (its implementation's)."""
+    return ALL_MASK_ATTENTION_FUNCTIONS[implementation_of(model)]
+
+
 @contextmanager
-def attention_function(model: torch.nn.Module, function: Callable, tag: str) -> Iterator[str]:
+def attention_function(model: torch.nn.Module, function: Callable, tag: str,
+                       mask_function: Callable | None = None) -> Iterator[str]:
     """Inside the block, every softmax-attention call of ``model`` goes to ``function(module, query, key, value,
-    attention_mask, **kwargs)`` (transformers' attention interface); yields the private name it is registered under
-    (``retrofit_<tag>_<id>``)."""
+    attention_mask, **kwargs)`` (transformers' attention interface) and masks are built by ``mask_function``
+    (transformers' mask interface; default: the model's own, so masks are exactly as before); yields the private
+    name both are registered under (``retrofit_<tag>_<id>``)."""
     name = f"retrofit_{tag}_{id(function):x}"
     saved = [(config, config.__dict__.get("_attn_implementation_internal")) for config in _attention_configs(model)]
     ALL_ATTENTION_FUNCTIONS._global_mapping[name] = function
-    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = ALL_MASK_ATTENTION_FUNCTIONS[implementation_of(model)]
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = mask_function or mask_function_of(model)
     try:
         for config, _ in saved:
             config.__dict__["_attn_implementation_internal"] = name

@@ -1,5 +1,6 @@
 """The transformers ``Cache`` used inside ``sparse_decoding``: full (or, for StreamingLLM, evicted) KV per layer,
-preallocated and grown geometrically, plus each method's metadata in ``layer.meta``.
+preallocated (static, for ``retrofit.generate``) or grown geometrically (``model.generate``), plus each method's
+metadata in ``layer.meta``.
 
 Layers that are not softmax attention (linear-attention, sliding-window) keep the layer types transformers'
 ``DynamicCache(config=...)`` gives them; only the softmax layers become ``SparseLayer``.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from retrofit.errors import RetrofitError
 
@@ -22,30 +23,42 @@ _GROW_MIN = 256
 class SparseLayer(CacheLayerMixin):
     """One softmax-attention layer's cache.
 
-    What a method reads: ``keys``/``values`` [B, Hkv, capacity, D] buffers, of which positions ``[0, length)`` are
-    written; row ``b``'s valid positions ``kv_start[b] <= pos < kv_end[b]`` ([B] int32; left padding lies before
-    ``kv_start``); ``seen``, every token ever appended (what transformers calls the sequence length); ``meta``, the
-    method's own metadata (its to change). The buffers change only through :meth:`write` (append),
-    :meth:`write_rows` (one token per row at per-row positions) and :meth:`compact` (keep chosen positions only).
+    What a method reads: ``keys``/``values`` [B, Hkv, capacity, D] buffers; row ``b``'s valid positions
+    ``kv_start[b] <= pos < kv_end[b]`` ([B] int32 device tensors; left padding lies before ``kv_start``); ``meta``,
+    the method's own metadata (its to change, in place once allocated). The buffers change only through
+    :meth:`write` (a prefill chunk, at the host-known position ``length``), :meth:`write_next` (one decode token per
+    row at the device position ``write_pos``), :meth:`write_rows` (one token per row at per-row positions) and
+    :meth:`compact` (keep chosen positions only).
+
+    With ``capacity`` (a static cache, :meth:`SparseSession.new_cache`), the buffers are allocated once at that size
+    and a decode step touches device tensors only: ``write_pos``, ``kv_end`` and the metadata advance in place, so the
+    step can be captured as a CUDA graph. The host counters (``length``, ``seen``) are then exact up to the first
+    decode step and advance with each eager step (what transformers' ``get_seq_length`` reads), but a replayed graph
+    does not run Python: code that runs inside a captured step reads only device tensors. Without ``capacity`` (plain
+    ``model.generate``), the buffers grow geometrically between steps.
     """
 
     is_sliding = False
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, method: "SparseMethod"):
+    def __init__(self, layer_idx: int, method: "SparseMethod", capacity: int | None = None):
         # CacheLayerMixin.__init__ only assigns keys/values (read-only here) and is_initialized.
         self.is_initialized = False
         self.layer_idx = layer_idx
         self.method = method
+        self.static_capacity = capacity
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._length = 0
         self._kv_start: torch.Tensor | None = None
         self._kv_end: torch.Tensor | None = None
+        self._write_pos: torch.Tensor | None = None
+        self.kv_start_host: list[int] | None = None
         self.seen = 0
         self.meta: dict[str, Any] = {}
         self.padding_known = False
+        self.evicted = False
         self.new_start = 0
         self.returned_keys: torch.Tensor | None = None
         self.sparse_steps = 0  # decode steps that ran the sparse kernel (not the dense fallback)
@@ -53,28 +66,38 @@ class SparseLayer(CacheLayerMixin):
     # -- what methods read ---------------------------------------------------------------------------------------
     keys = property(lambda self: self._keys, doc="[B, Hkv, capacity, D] key buffer.")
     values = property(lambda self: self._values, doc="[B, Hkv, capacity, D] value buffer.")
-    length = property(lambda self: self._length, doc="Positions [0, length) of the buffers are written.")
+    length = property(lambda self: self._length, doc="Positions [0, length) of the buffers are written (host count).")
     kv_start = property(lambda self: self._kv_start, doc="[B] int32: first valid position of each row.")
     kv_end = property(lambda self: self._kv_end, doc="[B] int32: one past the last valid position of each row.")
+    write_pos = property(lambda self: self._write_pos, doc="[1] long: where the next decode token is written.")
 
     @property
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[2]
 
+    @property
+    def static(self) -> bool:
+        return self.static_capacity is not None
+
     # -- storage -------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.device = key_states.device
-        self._keys = key_states.new_empty(B, H, 0, D)
-        self._values = value_states.new_empty(B, H, 0, value_states.shape[-1])
+        size = self.static_capacity or 0
+        self._keys = key_states.new_zeros(B, H, size, D)
+        self._values = value_states.new_zeros(B, H, size, value_states.shape[-1])
         self._kv_start = torch.zeros(B, dtype=torch.int32, device=self.device)
         self._kv_end = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self._write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.kv_start_host = [0] * B
         self.is_initialized = True
 
     def _reserve(self, needed: int, limit: int | None = None) -> None:
         """Grow the buffers (geometrically, never past ``limit``) to hold at least ``needed`` positions."""
         if needed <= self.capacity:
             return
+        if self.static:
+            raise RetrofitError(f"the static cache holds {self.capacity} positions; {needed} were asked for")
         new_capacity = max(needed, 2 * self.capacity, _GROW_MIN)
         if limit is not None:
             new_capacity = max(needed, min(new_capacity, limit))
@@ -85,22 +108,30 @@ class SparseLayer(CacheLayerMixin):
             setattr(self, name, grown)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append keys/values [B, Hkv, T, D] at the common write position ``length``."""
+        """Append keys/values [B, Hkv, T, D] at the common write position ``length`` (host-known: prefill)."""
         T = keys.shape[2]
         self._reserve(self._length + T)
         self._keys[:, :, self._length : self._length + T] = keys
         self._values[:, :, self._length : self._length + T] = values
         self._length += T
         self._kv_end.fill_(self._length)
+        self._write_pos.fill_(self._length)
 
-    def write_rows(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid_end: torch.Tensor,
-                   limit: int | None = None) -> None:
-        """Write one token per row at its own position: keys/values [B, Hkv, 1, D] at ``slots`` [B] (long); the
-        buffers grow to hold the highest slot (never past ``limit``); ``valid_end`` [B] becomes ``kv_end``."""
+    def write_next(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append one decode token per row, keys/values [B, Hkv, 1, D], at the device position ``write_pos`` (the
+        same for every row); ``write_pos`` and ``kv_end`` advance on the device."""
+        self._reserve(self._length + 1)
+        self._keys.index_copy_(2, self._write_pos, keys)
+        self._values.index_copy_(2, self._write_pos, values)
+        self._write_pos.add_(1)
+        self._kv_end.add_(1)
+        self._length += 1
+
+    def write_rows(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   valid_end: torch.Tensor) -> None:
+        """Write one token per row at its own position: keys/values [B, Hkv, 1, D] at ``slots`` [B] (long, below
+        ``capacity``: the buffers do not grow); ``valid_end`` [B] becomes ``kv_end``."""
         B, H, _, D = keys.shape
-        high = int(slots.max()) + 1
-        self._reserve(high, limit=limit)
-        self._length = max(self._length, high)
         index = slots.view(B, 1, 1, 1).expand(B, H, 1, D)
         self._keys.scatter_(2, index, keys)
         self._values.scatter_(2, index.expand(B, H, 1, values.shape[-1]), values)
@@ -108,29 +139,34 @@ class SparseLayer(CacheLayerMixin):
 
     def compact(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep only ``positions`` [B, W] (long) of each row, moved to the front of fresh buffers of W positions;
-        row ``b`` then holds ``valid[b]`` valid tokens from position 0 (left padding is gone)."""
+        row ``b`` then holds ``valid[b]`` valid tokens from position 0 (left padding is gone). Allocates: a method
+        compacts once (StreamingLLM at its first decode step), before any step is captured."""
         B, H, _, D = self._keys.shape
         width = positions.shape[1]
         index = positions[:, None, :, None].expand(B, H, width, D)
-        self._keys = self._keys[:, :, : self._length].gather(2, index)
-        self._values = self._values[:, :, : self._length].gather(2, index.expand(B, H, width, self._values.shape[-1]))
+        self._keys = self._keys.gather(2, index)
+        self._values = self._values.gather(2, index.expand(B, H, width, self._values.shape[-1]))
         self._length = width
         self._kv_start.zero_()
         self._kv_end.copy_(valid.to(torch.int32))
+        self.kv_start_host = [0] * B
+        self.returned_keys = self._keys  # what the next update returns: the old buffers are no longer held
+        self.evicted = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new keys/values [B, Hkv, T, D]; return what dense attention over the cache needs."""
+        """Store the new keys/values [B, Hkv, T, D]; return what dense attention over the cache needs (the written
+        part of the buffers; for a decode token the whole buffers, which the decode path reads by ``kv_end``)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.method.evicts and self.padding_known and key_states.shape[2] > 1:
-            raise RetrofitError(
-                f"sparse method {self.method.name!r} evicts tokens: feed the prompt in one forward call (no chunked prefill)")
-        first = self.seen == 0
+        T = key_states.shape[2]
+        if self.evicted and T > 1:
+            raise RetrofitError(f"sparse method {self.method.name!r} evicted tokens at its first decode step: "
+                                "a multi-token forward cannot follow (no speculative or chunked decoding)")
         self.new_start = self._length
         self.method.append(self, key_states, value_states)
-        self.seen += key_states.shape[2]
-        if self.method.evicts and first:
-            keys, values = key_states, value_states
+        self.seen += T
+        if T == 1:
+            keys, values = self._keys, self._values
         else:
             keys, values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
         self.returned_keys = keys
@@ -150,7 +186,7 @@ class SparseLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx, self.method)
+        self.__init__(self.layer_idx, self.method, self.static_capacity)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise RetrofitError("sparse decoding does not support beam search (num_beams > 1)")
@@ -190,6 +226,7 @@ class SparseLayer(CacheLayerMixin):
         if not bool(contiguous.all()):
             raise RetrofitError("sparse decoding needs left padding (tokenizer.padding_side = 'left')")
         self._kv_start.copy_(first.to(torch.int32))
+        self.kv_start_host = [int(row) for row in first.tolist()]
 
     # -- accounting ----------------------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
@@ -209,15 +246,19 @@ class SparseCache(DynamicCache):
     ``session.new_cache()`` and pass it as ``past_key_values``.
     """
 
-    def __init__(self, config, method: "SparseMethod", sparse_layers: list[int], num_layers: int):
+    def __init__(self, config, method: "SparseMethod", sparse_layers: list[int], num_layers: int,
+                 capacity: int | None = None):
         super().__init__(config=config)
+        if capacity is not None:  # transformers' static layers (and linear-attention layers) for the rest
+            self.layers = list(StaticCache(config=config, max_cache_len=capacity).layers)
         if len(self.layers) < num_layers or self.layer_class_to_replicate is not None:
             self.layers = [DynamicLayer() for _ in range(num_layers)]
             self.layer_class_to_replicate = None
         for idx in sparse_layers:
-            self.layers[idx] = SparseLayer(idx, method)
+            self.layers[idx] = SparseLayer(idx, method, capacity)
         self.method = method
         self.sparse_layers = list(sparse_layers)
+        self.capacity = capacity
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes really held, per component, summed over layers ("kv", "metadata", "index", ...; plus "total")."""

@@ -14,6 +14,7 @@ sparse-decode kernel on them. On exit everything is undone (also on exceptions).
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterable, Iterator
 
@@ -27,10 +28,18 @@ from retrofit.sparse.attention_functions import (attention_function, dense_atten
                                                  softmax_attention_layers)
 from retrofit.sparse.cache import SparseCache, SparseLayer
 from retrofit.sparse.contract import SparseMethod
+from retrofit.sparse.methods.common import all_blocks
 from retrofit.sparse.registry import build_method
 
 # sparse_decoding(kernel=...) -> the kernels' backend for the session's per-step ops
 KERNELS = {"auto": "auto", "triton": "triton", "reference": "torch"}
+
+_ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, SparseSession]" = weakref.WeakKeyDictionary()
+
+
+def active_session(model: torch.nn.Module) -> "SparseSession | None":
+    """The ``sparse_decoding`` session open on ``model`` now, if any (``retrofit.generate`` drives its cache)."""
+    return _ACTIVE.get(model)
 
 
 class SparseSession:
@@ -48,9 +57,17 @@ class SparseSession:
         self.num_layers = text_config.num_hidden_layers
         self.original_implementation = implementation_of(model)
 
-    def new_cache(self) -> SparseCache:
-        """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``)."""
-        return SparseCache(self.config, self.method, list(self.layers), self.num_layers)
+    def new_cache(self, capacity: int | None = None) -> SparseCache:
+        """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``); with ``capacity`` a
+        static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses)."""
+        return SparseCache(self.config, self.method, list(self.layers), self.num_layers, capacity)
+
+    def maintain(self, cache: SparseCache, written: int) -> None:
+        """Between two decode steps of a static cache (outside any captured step): the method's scheduled upkeep,
+        ``written`` tokens being in every layer (ClusterKV clusters the keys it has not clustered yet)."""
+        for layer in cache.layers:
+            if isinstance(layer, SparseLayer) and layer.is_initialized:
+                self.method.maintain(layer, written)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the most recent cache, per component (see ``SparseCache.memory_bytes``)."""
@@ -77,14 +94,17 @@ class SparseSession:
             out = self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             self.method.prepare(layer, start, end)
             return out
-        self.method.prepare(layer, start, end)
+        if not layer.static:  # upkeep over the tokens before this step's (a static cache's runs between steps)
+            self.method.maintain(layer, layer.length - 1)
+        self.method.prepare_step(layer)
         q = query[:, :, 0, :].contiguous()
         selection = self.method.select(layer, q)
-        if selection is None:
-            return self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer.sparse_steps += 1
-        out = sparse_decode_attention(q, layer.keys, layer.values, selection.indices, selection.counts, layer.kv_start, layer.kv_end,
-                     block_size=selection.block_size, scale=scaling)
+        if selection is None:  # the method keeps this layer dense: every valid position, through the same kernel
+            selection = all_blocks(layer)
+        else:
+            layer.sparse_steps += 1
+        out = sparse_decode_attention(q, layer.keys, layer.values, selection.indices, selection.counts,
+                                      layer.kv_start, layer.kv_end, block_size=selection.block_size, scale=scaling)
         return out[:, None, :, :], None
 
     def _layer_for(self, module, key) -> SparseLayer | None:
@@ -137,6 +157,8 @@ def sparse_decoding(
     """
     if kernel not in KERNELS:
         raise RetrofitError(f"kernel={kernel!r} is invalid: choose from {', '.join(KERNELS)}")
+    if model in _ACTIVE:
+        raise RetrofitError("sparse_decoding is already open on this model: close it before opening another")
     sparse_method = build_method(method, budget, **params)
     attention = softmax_attention_layers(model)
     if not attention:
@@ -154,7 +176,10 @@ def sparse_decoding(
                                 f"(those are {min(attention)}..{max(attention)} minus converted/sliding ones)")
         attention = {i: attention[i] for i in chosen}
     session = SparseSession(model, sparse_method, attention, kernel)
+    sparse_method.bind(session.config)  # settings that follow the model (Quest's page size, random Seer gates)
     with ExitStack() as undo:
+        _ACTIVE[model] = session
+        undo.callback(_ACTIVE.pop, model, None)
         undo.enter_context(attention_function(model, session.attention, "sparse"))
         hook = model.register_forward_pre_hook(session.inject_cache, with_kwargs=True)
         undo.callback(hook.remove)

@@ -4,6 +4,11 @@ After the prefill the keys of each (batch, kv head), sinks excepted, are cluster
 ``recluster_every`` generated tokens the new keys get ``new_clusters`` clusters of their own (until then they are
 read exactly). Per decode step clusters are scored by ``q . centroid`` (centroid = mean key of the cluster, max over
 the GQA group) and taken whole, best first, while they fit in the budget left after sinks and unclustered tokens.
+
+The clustering runs on the host between decode steps (:meth:`ClusterKV.maintain`, on a fixed schedule: before the
+first decode step, then every ``recluster_every`` tokens), outside a captured step; the step itself scores every
+cluster slot of the static buffers (empty slots score -inf) and selects ``budget`` tokens with counts: fixed shapes,
+no host read. (Under ``model.generate`` the schedule is checked inside the step, a token earlier.)
 """
 from __future__ import annotations
 
@@ -68,6 +73,19 @@ class ClusterKV(SparseMethod):
         require(isinstance(self.n_sink, int) and 0 <= self.n_sink < self.budget, "n_sink", self.n_sink,
                 f"an integer in [0, budget={self.budget})")
 
+    def _buffers(self, layer, clusters: int) -> None:
+        """centroids [B, Hkv, C, D], sizes [B, Hkv, C] int32 for at least ``clusters`` clusters, assign [B, Hkv, N]
+        int32 (cluster of each position, -1: not clustered) for the N positions of the buffer; allocated for the
+        whole generation of a static cache at the prefill (clusters: the prefill's plus every scheduled batch)."""
+        meta = layer.meta
+        B, H, capacity, D = layer.keys.shape
+        int32 = torch.empty(0, dtype=torch.int32, device=layer.keys.device)
+        meta["centroids"] = grown(meta.get("centroids"), 2, clusters, layer.keys, (B, H, 0, D))
+        meta["sizes"] = grown(meta.get("sizes"), 2, clusters, int32, (B, H, 0))
+        meta["assign"] = grown(meta.get("assign"), 2, capacity, int32, (B, H, 0), fill=-1)
+        if "clustered_upto" not in meta:
+            meta["clustered_upto"] = torch.zeros(1, dtype=torch.long, device=layer.keys.device)
+
     def _cluster(self, layer, lo: int, hi: int, k: int) -> None:
         meta = layer.meta
         B, H, _, D = layer.keys.shape
@@ -77,38 +95,51 @@ class ClusterKV(SparseMethod):
         keys = layer.keys[:, :, lo:hi].reshape(B * H, hi - lo, D)
         assign, means, sizes = kmeans_cosine(keys, valid, k, self.iterations)
         base = meta.get("num_clusters", 0)
-        meta["centroids"] = grown(meta.get("centroids"), 2, base + k, layer.keys, (B, H, 0, D))
-        meta["sizes"] = grown(meta.get("sizes"), 2, base + k, torch.empty(0, dtype=torch.int32, device=pos.device),
-                              (B, H, 0))
+        self._buffers(layer, base + k)
         meta["centroids"][:, :, base : base + k] = means.view(B, H, k, D).to(layer.keys.dtype)
         meta["sizes"][:, :, base : base + k] = sizes.view(B, H, k).to(torch.int32)
         offset = torch.where(assign >= 0, assign + base, assign).view(B, H, hi - lo)
         meta["assign"][:, :, lo:hi] = offset.to(torch.int32)
         meta["num_clusters"] = base + k
-        meta["clustered_upto"] = hi
+        meta["clustered_upto_host"] = hi
+        meta["clustered_upto"].fill_(hi)
+
+    def _scheduled_clusters(self, layer, prompt: int) -> int:
+        """Clusters a static cache will hold: the prefill's plus ``new_clusters`` per ``recluster_every`` tokens."""
+        return self.n_clusters + self.new_clusters * (max(0, layer.capacity - prompt) // self.recluster_every)
 
     def prepare(self, layer, start: int, end: int) -> None:
+        if "num_clusters" in layer.meta:  # a later prefill chunk: clustered when decoding starts
+            return
+        self._buffers(layer, self._scheduled_clusters(layer, end) if layer.static else self.n_clusters)
+
+    def prepare_step(self, layer) -> None:
+        """Nothing per token: a new key stays unclustered (``assign`` -1, read exactly) until its batch is
+        clustered by :meth:`maintain`. (A growing cache grows ``assign`` with it first.)"""
+        if not layer.static:
+            self._buffers(layer, layer.meta.get("num_clusters", self.n_clusters))
+
+    def maintain(self, layer, written: int) -> None:
+        """Cluster the prompt once (before the first decode step reads it), then every ``recluster_every`` new
+        tokens the keys not clustered yet, into ``new_clusters`` clusters (host-side, between steps)."""
         meta = layer.meta
-        B, H = layer.keys.shape[:2]
-        meta["assign"] = grown(meta.get("assign"), 2, end, torch.empty(0, dtype=torch.int32, device=layer.keys.device),
-                               (B, H, 0), fill=-1)
         if "num_clusters" not in meta:
-            self._cluster(layer, 0, end, self.n_clusters)
-        elif end - meta["clustered_upto"] >= self.recluster_every:
-            self._cluster(layer, meta["clustered_upto"], end, self.new_clusters)
+            self._cluster(layer, 0, written, self.n_clusters)
+        elif written - meta["clustered_upto_host"] >= self.recluster_every:
+            self._cluster(layer, meta["clustered_upto_host"], written, self.new_clusters)
 
     def select(self, layer, query: torch.Tensor) -> Selection:
         meta = layer.meta
-        n, num = layer.length, meta["num_clusters"]
         pos = positions(layer)
-        recent_from = max(meta["clustered_upto"], n - (self.budget - self.n_sink))
-        fixed = sink_mask(layer, self.n_sink) | ((pos >= recent_from) & (pos >= layer.kv_start.long()[:, None]))
-        sizes = meta["sizes"][:, :, :num]
-        scores = cluster_scores(query, meta["centroids"], num).masked_fill(sizes == 0, float("-inf"))
+        kv_start, kv_end = layer.kv_start.long()[:, None], layer.kv_end.long()[:, None]
+        recent_from = torch.maximum(meta["clustered_upto"], kv_end - (self.budget - self.n_sink))  # [B, 1]
+        fixed = sink_mask(layer, self.n_sink) | ((pos >= recent_from) & (pos >= kv_start) & (pos < kv_end))
+        sizes = meta["sizes"]
+        scores = cluster_scores(query, meta["centroids"], sizes.shape[2]).masked_fill(sizes == 0, float("-inf"))
         order = torch.argsort(scores, dim=-1, descending=True, stable=True)
         room = (self.budget - fixed.sum(-1, keepdim=True))[:, None, :]  # [B, 1, 1]
         taken_sorted = torch.cumsum(sizes.gather(-1, order), -1) <= room
         taken = torch.zeros_like(taken_sorted).scatter_(-1, order, taken_sorted)
-        assign = meta["assign"][:, :, :n].long()
+        assign = meta["assign"].long()
         chosen = taken.gather(-1, assign.clamp(min=0)) & (assign >= 0)
-        return mask_to_selection(chosen | fixed[:, None, :])
+        return mask_to_selection(chosen | fixed[:, None, :], self.budget)

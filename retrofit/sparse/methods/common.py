@@ -1,4 +1,10 @@
-"""Small helpers shared by the methods: growing metadata buffers and turning token masks into selections."""
+"""Small helpers shared by the methods: metadata buffers, fixed-shape selections and the masks they start from.
+
+Everything a decode step uses here has a shape fixed by the layer's capacity and the budget and reads the valid
+range of each row from device tensors (``kv_start``, ``kv_end``), so a step issues the same operations every time
+and never reads a tensor value on the host. Constant tensors (position ranges, all-block selections) are built once
+per layer and capacity and kept in ``layer.meta`` under names starting with ``_``.
+"""
 from __future__ import annotations
 
 import torch
@@ -11,7 +17,8 @@ def grown(buffer: torch.Tensor | None, dim: int, needed: int, like: torch.Tensor
           fill: float | int = 0) -> torch.Tensor:
     """Return ``buffer`` with at least ``needed`` entries along ``dim`` (geometric growth, new entries = ``fill``).
 
-    ``shape`` is the full shape with the growing dim set to anything; ``like`` gives dtype and device.
+    ``shape`` is the full shape with the growing dim set to anything; ``like`` gives dtype and device. A static
+    cache sizes its buffers for the whole generation at the prefill, so they never grow while decoding.
     """
     have = 0 if buffer is None else buffer.shape[dim]
     if needed <= have:
@@ -24,51 +31,79 @@ def grown(buffer: torch.Tensor | None, dim: int, needed: int, like: torch.Tensor
     return fresh
 
 
+def _constant(layer, name: str, build) -> torch.Tensor:
+    """A tensor that depends only on the layer's shape and capacity, built once per capacity."""
+    key = (name, layer.capacity, tuple(layer.keys.shape[:2]))
+    cached = layer.meta.get("_" + name)
+    if cached is None or cached[0] != key:
+        cached = (key, build())
+        layer.meta["_" + name] = cached
+    return cached[1]
+
+
 def positions(layer) -> torch.Tensor:
-    """[length] long positions of the written part of a layer's buffer."""
-    return torch.arange(layer.length, device=layer.keys.device)
+    """[capacity] long: every position of the layer's buffer."""
+    return _constant(layer, "positions", lambda: torch.arange(layer.capacity, device=layer.keys.device))
 
 
-def mask_to_selection(mask: torch.Tensor) -> Selection:
-    """Token mask [B, Hkv, N] bool -> Selection of single tokens (ragged counts, ascending positions)."""
-    counts = mask.sum(-1, dtype=torch.int32)
-    width = max(int(counts.max()), 1)
+def valid_mask(layer) -> torch.Tensor:
+    """[B, capacity] bool: the written, non-padding positions of each row (``kv_start <= pos < kv_end``)."""
+    pos = positions(layer)
+    return (pos >= layer.kv_start.long()[:, None]) & (pos < layer.kv_end.long()[:, None])
+
+
+def sink_mask(layer, n_sink: int) -> torch.Tensor:
+    """[B, capacity] bool: the first ``n_sink`` valid positions of each row."""
+    pos = positions(layer)
+    start = layer.kv_start.long()[:, None]
+    return (pos >= start) & (pos < start + n_sink) & (pos < layer.kv_end.long()[:, None])
+
+
+def mask_to_selection(mask: torch.Tensor, width: int) -> Selection:
+    """Token mask [B, Hkv, N] bool -> a Selection of single tokens of fixed ``width`` (ascending positions first;
+    counts [B, Hkv] = tokens in the mask, at most ``width``: the caller's budget bounds them)."""
+    width = max(1, min(width, mask.shape[-1]))
+    counts = mask.sum(-1, dtype=torch.int32).clamp_(max=width)
     order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]
     return Selection(order.to(torch.int32), counts, 1)
 
 
 def all_blocks(layer, block_size: int = 16) -> Selection:
-    """Every written block of the buffer (the kernel masks positions outside [kv_start, kv_end))."""
-    B, Hkv = layer.keys.shape[:2]
-    blocks = -(-layer.length // block_size)
-    indices = torch.arange(blocks, device=layer.keys.device, dtype=torch.int32).expand(B, Hkv, blocks)
-    counts = torch.full((B, Hkv), blocks, device=layer.keys.device, dtype=torch.int32)
-    return Selection(indices, counts, block_size)
+    """Every block of the buffer (the kernel skips positions outside [kv_start, kv_end)): a dense step."""
+    def build() -> Selection:
+        B, Hkv = layer.keys.shape[:2]
+        blocks = -(-layer.capacity // block_size)
+        indices = torch.arange(blocks, device=layer.keys.device, dtype=torch.int32).expand(B, Hkv, blocks)
+        counts = torch.full((B, Hkv), blocks, device=layer.keys.device, dtype=torch.int32)
+        return Selection(indices.contiguous(), counts, block_size)
 
-
-def sink_mask(layer, n_sink: int) -> torch.Tensor:
-    """[B, N] bool: the first ``n_sink`` valid positions of each row."""
-    pos = positions(layer)
-    start = layer.kv_start.long()[:, None]
-    return (pos >= start) & (pos < start + n_sink)
+    return _constant(layer, f"all_blocks_{block_size}", build)
 
 
 def full_counts(layer, top: torch.Tensor) -> torch.Tensor:
-    """[B, Hkv] int32 filled with ``top.shape[2]`` (cached per layer: no allocation on the steady decode path)."""
-    cached = layer.meta.get("_full_counts")
-    if cached is None or cached[0] != top.shape[2] or cached[1].shape != top.shape[:2]:
-        cached = (top.shape[2], torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device))
-        layer.meta["_full_counts"] = cached
-    return cached[1]
+    """[B, Hkv] int32 filled with ``top.shape[2]`` (built once per layer: no allocation on the decode path)."""
+    return _constant(layer, f"full_counts_{top.shape[2]}",
+                     lambda: torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device))
 
 
-def best_blocks(layer, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending).
+def block_scores_mask(layer, scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """scores [B, Hkv, P] of the P blocks of the buffer -> the same with blocks that hold no valid position of a row
+    (left padding only, or not yet written) at -inf and the block being written (it holds the decoded token) at
+    +inf, in place. That block is always read, as in the authors' Quest and SeerAttention kernels (top-k over the
+    other blocks, the last one appended)."""
+    P = scores.shape[-1]
+    first = _constant(layer, f"block_first_{block_size}_{P}",
+                      lambda: torch.arange(P, device=scores.device) * block_size)
+    kv_start, kv_end = layer.kv_start.long()[:, None], layer.kv_end.long()[:, None]
+    empty = (first[None, :] + block_size <= kv_start) | (first[None, :] >= kv_end)  # [B, P]
+    scores.masked_fill_(empty[:, None, :], float("-inf"))
+    newest = ((kv_end - 1) // block_size)[:, None, :].expand(-1, scores.shape[1], 1)  # [B, Hkv, 1]
+    return scores.scatter_(2, newest, float("inf"))
 
-    Block P - 1, the one being written (it holds the token being decoded), is always among them, as in the
-    authors' Quest and SeerAttention kernels (top-k over the other blocks, the last appended). ``scores`` is
-    overwritten there.
-    """
+
+def best_blocks(layer, scores: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending), after
+    :func:`block_scores_mask` (``scores`` is overwritten)."""
     B, H, P = scores.shape
-    scores[:, :, P - 1] = float("inf")
+    block_scores_mask(layer, scores, block_size)
     return topk_indices(scores.reshape(B * H, P), k).view(B, H, k)

@@ -6,11 +6,15 @@ step: ``score = sum_d max(q_d*max_d, q_d*min_d)`` (max over the query heads of a
 the other pages and appends the last one), sparse attention over them. The first ``dense_layers`` stay dense
 (authors' setting).
 
-Page size: the authors' 16 is the default (their models have head_dim 128). With head_dim 64 the page bound is
-looser: on SmolLM2-135M at budget 1024 (H200, 20 seeds) page 16 keeps 5% of dense on niah_single@8000, page 8 70%,
-page 4 100% (and >= 90% of dense in every graded cell at 2048, 4096, 8000); see BENCHMARKS.md, History > Sparse
-decoding: accuracy > 2026-11-30 — Quest page 4 and Seer gates trained on sequences of 2048-8192 tokens meet the bar
-at every length.
+Page size follows the head dimension (:func:`default_page_size`): the authors' 16 for head_dim 128, 4 for head_dim
+64. With head_dim 64 the page bound is looser: on SmolLM2-135M at budget 1024 (H200, 20 seeds) page 16 keeps 5% of
+dense on niah_single@8000, page 8 70%, page 4 100% (and >= 90% of dense in every graded cell at 2048, 4096, 8000);
+see BENCHMARKS.md, History > Sparse decoding: accuracy > 2026-11-30 — Quest page 4 and Seer gates trained on
+sequences of 2048-8192 tokens meet the bar at every length.
+
+The metadata covers every page of the buffer (a static cache: prompt + new tokens) and a decode step updates the
+page of the new token in place and scores every page (pages without a valid position of a row score -inf): fixed
+shapes, no host read, so the step can be captured.
 """
 from __future__ import annotations
 
@@ -24,23 +28,61 @@ from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, full_counts, grown
 
 
+def default_page_size(head_dim: int) -> int:
+    """Quest's page size for keys of ``head_dim`` channels: 16 (the authors') at head_dim 128 and above, and
+    smaller for narrower heads, as ``16 * (head_dim / 128) ** 2`` rounded down to a power of two (64 -> 4, 96 -> 8,
+    32 -> 1).
+
+    Why: the page bound sums a per-channel maximum over the page's keys, so it loosens as pages grow and weighs
+    each channel more when there are fewer; on SmolLM2-135M (head_dim 64) page 16 kept 20% of dense on niah_single
+    at budget 256 where page 4 kept 100% (30 identical 2K items beside kvpress 0.5.5), and at budget 1024 page 16
+    kept 5%, page 8 70%, page 4 100% (BENCHMARKS.md, History > Sparse decoding: accuracy). The two measured head
+    dimensions fix the rule at 128 -> 16 and 64 -> 4; between and beyond them it is an interpolation.
+    """
+    scaled = 16 * (head_dim / 128) ** 2
+    return max(1, min(16, 1 << max(0, int(scaled).bit_length() - 1)))
+
+
 @register("quest")
 @dataclass
 class Quest(SparseMethod):
-    """Pages of ``page_size`` tokens (must divide ``budget``); ``dense_layers``: layer indices kept dense."""
+    """Pages of ``page_size`` tokens (must divide ``budget``; default :func:`default_page_size` of the model's head
+    dimension); ``dense_layers``: layer indices kept dense."""
 
-    page_size: int = 16
+    page_size: int | None = None
     dense_layers: tuple[int, ...] = (0, 1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.page_size is not None:
+            self._check_page_size()
+        self.dense_layers = tuple(self.dense_layers)
+        require(all(isinstance(i, int) and i >= 0 for i in self.dense_layers), "dense_layers", self.dense_layers,
+                "non-negative layer indices")
+
+    def _check_page_size(self) -> None:
         require(isinstance(self.page_size, int) and self.page_size > 0, "page_size", self.page_size,
                 "a positive integer")
         require(self.budget % self.page_size == 0, "page_size", self.page_size,
                 f"a divisor of budget={self.budget}")
-        self.dense_layers = tuple(self.dense_layers)
-        require(all(isinstance(i, int) and i >= 0 for i in self.dense_layers), "dense_layers", self.dense_layers,
-                "non-negative layer indices")
+
+    def bind(self, config) -> None:
+        if self.page_size is None:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.page_size = default_page_size(head_dim)
+            self._check_page_size()
+
+    def keeps_dense(self, layer) -> bool:
+        return layer.layer_idx in self.dense_layers
+
+    def _page_buffers(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """page_min, page_max [B, Hkv, P, D] for the P pages of the buffer (grown with a growing cache)."""
+        B, H, _, D = layer.keys.shape
+        pages = -(-layer.capacity // self.page_size)
+        meta = layer.meta
+        for name in ("page_min", "page_max"):
+            meta[name] = grown(meta.get(name), 2, pages, layer.keys, (B, H, 0, D))
+        return meta["page_min"], meta["page_max"]
 
     def prepare(self, layer, start: int, end: int) -> None:
         if end <= start or layer.layer_idx in self.dense_layers:
@@ -48,26 +90,53 @@ class Quest(SparseMethod):
         ps = self.page_size
         first, last = start // ps, -(-end // ps)
         B, H, _, D = layer.keys.shape
-        meta = layer.meta
-        for name in ("page_min", "page_max"):
-            meta[name] = grown(meta.get(name), 2, last, layer.keys, (B, H, 0, D))
+        page_min, page_max = self._page_buffers(layer)
         span = layer.keys[:, :, first * ps : end]
         pad = (last - first) * ps - span.shape[2]
         pos = torch.arange(first * ps, last * ps, device=span.device)
         valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)  # [B, L]
         span = torch.nn.functional.pad(span, (0, 0, 0, pad)).view(B, H, last - first, ps, D)
-        valid = valid.view(B, 1, last - first, ps, 1)
-        page_min = torch.where(valid, span, float("inf")).amin(3)
-        page_max = torch.where(valid, span, float("-inf")).amax(3)
-        meta["page_min"][:, :, first:last] = torch.where(torch.isinf(page_min), 0, page_min)
-        meta["page_max"][:, :, first:last] = torch.where(torch.isinf(page_max), 0, page_max)
-        meta["num_pages"] = last
+        low, high = _bounds(span, valid.view(B, 1, last - first, ps, 1))
+        page_min[:, :, first:last] = low
+        page_max[:, :, first:last] = high
+
+    def prepare_step(self, layer) -> None:
+        """The page of the token just written at ``write_pos - 1``: its min/max again, on the device."""
+        if layer.layer_idx in self.dense_layers:
+            return
+        ps = self.page_size
+        B, H, _, D = layer.keys.shape
+        page_min, page_max = self._page_buffers(layer)
+        page = (layer.write_pos - 1) // ps  # [1]
+        offsets = _page_offsets(layer, ps)
+        pos = page * ps + offsets  # [ps]
+        span = layer.keys.index_select(2, pos).view(B, H, 1, ps, D)
+        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < layer.kv_end.long()[:, None])
+        low, high = _bounds(span, valid.view(B, 1, 1, ps, 1))
+        page_min.index_copy_(2, page, low)
+        page_max.index_copy_(2, page, high)
 
     def select(self, layer, query: torch.Tensor) -> Selection | None:
         if layer.layer_idx in self.dense_layers:
             return None
         meta = layer.meta
-        num_pages = meta["num_pages"]
-        scores = quest_page_scores(query, meta["page_min"], meta["page_max"], num_pages, layer.kv_start, self.page_size)
-        top = best_blocks(layer, scores, min(self.budget // self.page_size, num_pages))
+        pages = -(-layer.capacity // self.page_size)
+        scores = quest_page_scores(query, meta["page_min"], meta["page_max"], pages, layer.kv_start, self.page_size)
+        top = best_blocks(layer, scores, min(self.budget // self.page_size, pages), self.page_size)
         return Selection(top, full_counts(layer, top), self.page_size)
+
+
+def _page_offsets(layer, page_size: int) -> torch.Tensor:
+    key = "_page_offsets"
+    cached = layer.meta.get(key)
+    if cached is None or cached.shape[0] != page_size:
+        layer.meta[key] = cached = torch.arange(page_size, device=layer.keys.device)
+    return cached
+
+
+def _bounds(pages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pages [B, H, P, ps, D], valid [B, 1, P, ps, 1] -> element-wise min and max over each page's valid keys
+    [B, H, P, D] (0 for a page without any)."""
+    low = torch.where(valid, pages, float("inf")).amin(3)
+    high = torch.where(valid, pages, float("-inf")).amax(3)
+    return torch.where(torch.isinf(low), 0, low), torch.where(torch.isinf(high), 0, high)

@@ -4,6 +4,11 @@ Per (batch, kv head) one faiss index (inner product) holds the keys between the 
 decode step searches it with the query (GQA: the group's queries averaged, or each head searched and the hits
 merged by score) for ``budget - n_sink - window`` keys; sinks and window are always read exactly. Keys leaving the
 window are added to the index. faiss-gpu is used when it sees a GPU (``device="auto"``), faiss-cpu otherwise.
+
+Not capturable: the search runs in faiss on the host, so a decode step cannot be recorded as a CUDA graph and runs
+eagerly. What a step costs on top of the other methods, per sparse layer: the query copied to the host and the hits
+copied back (the first a device synchronisation), and the key leaving the window copied to the host for the index,
+plus ``B x Hkv`` faiss searches; the positions are host-known, so nothing else reads the device.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 from retrofit.errors import RetrofitError
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
-from retrofit.sparse.methods.common import mask_to_selection, positions, sink_mask
+from retrofit.sparse.methods.common import mask_to_selection
 
 QUERY_POOLING = ("mean", "union")
 
@@ -34,7 +39,7 @@ def import_faiss():
 @register("retrieval")
 @dataclass
 class RetrievalAttention(SparseMethod):
-    """``index``: a faiss factory string ("Flat", "HNSW32", "IVF256,Flat", ...); ``nprobe``/``ef_search``: search
+    """Not ``capturable`` (the faiss search runs on the host: see the module docstring). ``index``: a faiss factory string ("Flat", "HNSW32", "IVF256,Flat", ...); ``nprobe``/``ef_search``: search
     parameters of IVF/HNSW indexes; ``query``: "mean" or "union" over the GQA group; ``device``: auto|cpu|gpu."""
 
     n_sink: int = 4
@@ -44,6 +49,7 @@ class RetrievalAttention(SparseMethod):
     ef_search: int | None = None
     query: str = "mean"
     device: str = "auto"
+    capturable = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,12 +97,11 @@ class RetrievalAttention(SparseMethod):
             index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
         return index
 
-    def _bounds(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: [B] first indexed position (after the sinks) and first window position."""
+    def _bounds(self, layer) -> tuple[list[int], list[int]]:
+        """Per row, on the host: first indexed position (after the sinks) and first window position."""
         n = layer.length
-        sink_end = torch.clamp(layer.kv_start.long() + self.n_sink, max=n)
-        window_start = torch.clamp(torch.full_like(sink_end, n - self.window), min=0)
-        return sink_end, torch.maximum(sink_end, window_start)
+        sink_end = [min(start + self.n_sink, n) for start in layer.kv_start_host]
+        return sink_end, [max(end, n - self.window) for end in sink_end]
 
     def prepare(self, layer, start: int, end: int) -> None:
         meta = layer.meta
@@ -104,30 +109,30 @@ class RetrievalAttention(SparseMethod):
         sink_end, window_start = self._bounds(layer)
         if "indexes" not in meta:
             keys = layer.keys[:, :, : layer.length].float().cpu().numpy()
-            meta["indexes"] = [[self._new_index(D, keys[b, h, int(sink_end[b]) : int(window_start[b])])
+            meta["indexes"] = [[self._new_index(D, keys[b, h, sink_end[b] : window_start[b]])
                                 for h in range(H)] for b in range(B)]
-            meta["indexed_upto"] = sink_end.clone()
+            meta["indexed_upto"] = list(sink_end)
         upto = meta["indexed_upto"]
-        if bool((window_start > upto).any()):
-            keys = layer.keys[:, :, : layer.length]
-            for b in range(B):
-                lo, hi = int(upto[b]), int(window_start[b])
-                if hi > lo:
-                    chunk = keys[b, :, lo:hi].float().cpu().numpy()
-                    for h in range(H):
-                        meta["indexes"][b][h].add(np.ascontiguousarray(chunk[h]))
-            meta["indexed_upto"] = torch.maximum(upto, window_start)
+        for b in range(B):
+            lo, hi = upto[b], window_start[b]
+            if hi > lo:
+                chunk = layer.keys[b, :, lo:hi].float().cpu().numpy()
+                for h in range(H):
+                    meta["indexes"][b][h].add(np.ascontiguousarray(chunk[h]))
+                upto[b] = hi
 
     def select(self, layer, query: torch.Tensor) -> Selection:
         meta = layer.meta
         B, H = layer.keys.shape[:2]
         n = layer.length
         _, window_start = self._bounds(layer)
-        pos = positions(layer)
-        keep = sink_mask(layer, self.n_sink) | (pos[None, :] >= window_start[:, None])
+        pos = torch.arange(n, device=layer.keys.device)
+        start = torch.tensor(layer.kv_start_host, device=pos.device)[:, None]
+        window = torch.tensor(window_start, device=pos.device)[:, None]
+        keep = ((pos >= start) & (pos < start + self.n_sink)) | (pos >= window)
         keep = keep[:, None, :].expand(B, H, n).clone()
         queries = query.float().view(B, H, -1, query.shape[-1]).cpu().numpy()
-        base = (layer.kv_start.long() + self.n_sink).tolist()
+        base = [row + self.n_sink for row in layer.kv_start_host]
         hits = torch.zeros(B, H, n, dtype=torch.bool)
         for b in range(B):
             for h in range(H):
@@ -147,7 +152,7 @@ class RetrievalAttention(SparseMethod):
                     ids = ids[np.sort(first)][:k]
                 ids = ids[ids >= 0]
                 hits[b, h, torch.from_numpy(ids + base[b])] = True
-        return mask_to_selection(keep | hits.to(keep.device))
+        return mask_to_selection(keep | hits.to(keep.device), self.budget)
 
     def metadata_bytes(self, layer) -> dict[str, int]:
         indexes = layer.meta.get("indexes") or []

@@ -42,7 +42,7 @@ def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hi
       retrofit gates smollm2-135m --data ../shared/data/calib --tokens 65536 --out runs/smol.gates
       retrofit generate smollm2-135m --sparse seer --budget 512 --sparse-arg gate_path=runs/smol.gates ...
     """
-    import retrofit
+    from retrofit.load import load
     from retrofit.sparse.methods.seer.training import default_seq_lens, train_gates
 
     if device == "auto":
@@ -50,7 +50,7 @@ def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hi
     checkpoint = out.with_name(out.name + ".ckpt")
     if resume and not checkpoint.is_file():
         raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
-    lm, tokenizer = retrofit.load(model, dtype=dtype, device=device)
+    lm, tokenizer = load(model, dtype=dtype, device=device)
     if seq_len is None:
         seq_len, default_min = default_seq_lens(lm.config.get_text_config(decoder=True), block_size)
         min_seq_len = min_seq_len or min(default_min, seq_len)

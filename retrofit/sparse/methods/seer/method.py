@@ -4,7 +4,9 @@ blocks of the KV cache from block-pooled keys; the top blocks are read.
 Gate of one layer (weights shared by its kv heads): ``gq = Wq . concat(queries of the GQA group)``,
 ``gk = Wk . concat(max, min, mean of the block's keys)``, ``score = gq . gk / sqrt(hidden)``. The base model stays
 frozen; the gates are trained by ``retrofit gates`` (KL to the block-pooled dense attention) and loaded from a file.
-Per decode step: top ``budget // block_size`` blocks, the block holding the newest token always among them.
+Per decode step: top ``budget // block_size`` blocks, the block holding the newest token always among them. The gate
+keys cover every block of the buffer; a decode step updates the newest block's gate key in place and scores every
+block (blocks without a valid position of a row score -inf): fixed shapes, no host read, so the step can be captured.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, full_counts, grown
 
 GATE_FORMAT = "retrofit-seer-gates"
+RANDOM_GATE_BLOCK = 64
 
 
 class SeerGate(nn.Module):
@@ -105,18 +108,38 @@ class SeerGates(nn.Module):
 @register("seer")
 @dataclass
 class SeerAttention(SparseMethod):
-    """``gate_path``: gate file from ``retrofit gates``; blocks of the file's block size (at most ``budget``)."""
+    """``gate_path``: gate file from ``retrofit gates``; blocks of the file's block size (at most ``budget``).
+    ``random_gates=true`` instead builds untrained gates of the right shape for the model (blocks of 64, hidden 128,
+    the authors' decode gate): for speed and memory runs on random-weight configs, where no gate was trained."""
 
     gate_path: str | None = None
+    random_gates: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.gate_path is not None and str(self.gate_path) != "", "gate_path", self.gate_path,
-                "a gate file trained by `retrofit gates MODEL --out PATH`")
-        self._gates = SeerGates.load(self.gate_path)
         self._placed: dict[tuple, SeerGates] = {}
+        if self.random_gates:
+            require(self.gate_path is None, "gate_path", self.gate_path, "none with random_gates=true")
+            self._gates: SeerGates | None = None
+            require(self.budget >= RANDOM_GATE_BLOCK, "budget", self.budget,
+                    f"at least the gate block size {RANDOM_GATE_BLOCK}")
+            return
+        require(self.gate_path is not None and str(self.gate_path) != "", "gate_path", self.gate_path,
+                "a gate file trained by `retrofit gates MODEL --out PATH` (or random_gates=true)")
+        self._gates = SeerGates.load(self.gate_path)
         require(self.budget >= self._gates.block_size, "budget", self.budget,
                 f"at least the gate block size {self._gates.block_size}")
+
+    def bind(self, config) -> None:
+        if self.random_gates:
+            heads = config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            layers = list(range(config.num_hidden_layers))
+            with torch.random.fork_rng(devices=[]):  # untrained but reproducible, and the caller's RNG untouched
+                torch.manual_seed(0)
+                self._gates = SeerGates(layers, heads, getattr(config, "num_key_value_heads", None) or heads,
+                                        head_dim, hidden=128, block_size=RANDOM_GATE_BLOCK)
+            self._gates.eval().requires_grad_(False)
 
     @property
     def block_size(self) -> int:
@@ -136,34 +159,52 @@ class SeerAttention(SparseMethod):
             self._placed[key].load_state_dict(self._gates.state_dict())
         return self._placed[key][layer.layer_idx]
 
+    def keeps_dense(self, layer) -> bool:
+        return layer.layer_idx not in self._gates
+
+    def _gate_keys(self, layer, gate: SeerGate) -> torch.Tensor:
+        """[B, Hkv, NB, hidden] gate keys of the NB blocks of the buffer (grown with a growing cache)."""
+        B, H = layer.keys.shape[:2]
+        blocks = -(-layer.capacity // self.block_size)
+        layer.meta["gate_keys"] = grown(layer.meta.get("gate_keys"), 2, blocks, layer.keys, (B, H, 0, gate.hidden))
+        return layer.meta["gate_keys"]
+
     def prepare(self, layer, start: int, end: int) -> None:
         gate = self._gate(layer, layer.keys)
         if gate is None or end <= start:
             return
         bs = self.block_size
         first, last = start // bs, -(-end // bs)
-        B, H, _, D = layer.keys.shape
+        gate_keys = self._gate_keys(layer, gate)
         span = layer.keys[:, :, first * bs : end]
         span = torch.nn.functional.pad(span, (0, 0, 0, (last - first) * bs - span.shape[2]))
         pos = torch.arange(first * bs, last * bs, device=span.device)
         valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)
         with torch.no_grad():
-            gate_keys = gate.block_keys(pool_blocks(span, valid, bs).to(layer.keys.dtype))
-        meta = layer.meta
-        meta["gate_keys"] = grown(meta.get("gate_keys"), 2, last, layer.keys, (B, H, 0, gate.hidden))
-        meta["gate_keys"][:, :, first:last] = gate_keys
-        meta["num_blocks"] = last
+            gate_keys[:, :, first:last] = gate.block_keys(pool_blocks(span, valid, bs).to(layer.keys.dtype))
+
+    def prepare_step(self, layer) -> None:
+        """The gate key of the block of the token just written at ``write_pos - 1``, again, on the device."""
+        gate = self._gate(layer, layer.keys)
+        if gate is None:
+            return
+        bs = self.block_size
+        gate_keys = self._gate_keys(layer, gate)
+        block = (layer.write_pos - 1) // bs  # [1]
+        pos = block * bs + torch.arange(bs, device=layer.keys.device)
+        span = layer.keys.index_select(2, pos)
+        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < layer.kv_end.long()[:, None])
+        with torch.no_grad():
+            gate_keys.index_copy_(2, block, gate.block_keys(pool_blocks(span, valid, bs).to(layer.keys.dtype)))
 
     def select(self, layer, query: torch.Tensor) -> Selection | None:
         gate = self._gate(layer, query)
         if gate is None:
             return None
-        meta = layer.meta
-        num = meta["num_blocks"]
+        gate_keys = layer.meta["gate_keys"]
+        blocks = -(-layer.capacity // self.block_size)
         with torch.no_grad():
             gate_query = gate.query(query).contiguous()
-        scores = cluster_scores(gate_query, meta["gate_keys"], num)
-        block_end = (torch.arange(num, device=query.device) + 1) * self.block_size
-        scores = scores.masked_fill((block_end[None, :] <= layer.kv_start.long()[:, None])[:, None, :], float("-inf"))
-        top = best_blocks(layer, scores, min(self.budget // self.block_size, num))
+        scores = cluster_scores(gate_query, gate_keys, blocks)
+        top = best_blocks(layer, scores, min(self.budget // self.block_size, blocks), self.block_size)
         return Selection(top, full_counts(layer, top), self.block_size)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU run of retrofit's decode engine (BENCHMARKS.md, "Current figures > End-to-end generation"):
+#   bash benchmarks/decode_engine_gpu.sh OUT_DIR
+# 1. the GPU tests of the engine: captured step = eager tokens, no allocation on replay, one graph launch per token,
+#    and the real SmolLM2's greedy tokens equal transformers' (dense, Quest at a budget >= context, a GDN hybrid);
+# 2. launches and host syncs per decode token (tiny 32-layer Llama);
+# 3. retrofit bench at Llama-3-8B shapes, each engine (rows that do not fit in memory are recorded as such).
+# 127k, not 128k: the config's 131072 positions must hold the prompt and the new tokens.
+set -euo pipefail
+OUT=${1:?usage: decode_engine_gpu.sh OUT_DIR}
+mkdir -p "$OUT"
+python -m pytest -q -m gpu tests/test_generation_gpu.py tests/test_bench.py 2>&1 | tee "$OUT/gpu_tests.log"
+python benchmarks/decode_overhead.py --device cuda --json "$OUT/decode_overhead_cuda.json" | tee "$OUT/decode_overhead_cuda.md"
+for engine in retrofit transformers transformers-compile; do
+  retrofit bench llama3-8b --context 4k,32k,127k --batch 1,8 --device cuda --dtype bfloat16 \
+    --variant quest:budget=2048 --variant clusterkv:budget=2048 --variant seer:budget=2048,random_gates=true \
+    --variant streaming:budget=2048 --variant convert:gdn:not:every:4 --variant convert:kda:not:every:4 \
+    --variant "convert:gdn:not:every:4+quest:budget=2048" --engine "$engine" --json "$OUT/bench_$engine.json" \
+    | tee "$OUT/bench_$engine.md"
+done

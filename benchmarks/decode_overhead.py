@@ -1,0 +1,168 @@
+"""What one decode token dispatches, per variant and engine: aten operations and host synchronisations (CPU), and
+on CUDA the kernel launches the host issues.
+
+A tiny Llama with the layer structure of Llama-3-8B's depth (32 layers, GQA 4 query / 2 kv heads of 16 dims, hidden
+64, vocab 256) makes the compute negligible, so the counts are the host-side work a real model pays per token:
+
+    python benchmarks/decode_overhead.py                      # CPU: ops and syncs, PyTorch paths of the kernels
+    python benchmarks/decode_overhead.py --backend triton     # CPU, Triton interpreter: + Triton launches
+    python benchmarks/decode_overhead.py --device cuda        # + kernel launches per token (torch.profiler)
+
+Counts are per decode token: the counts of a generation of 8 + 32 new tokens minus those of 8, over 32 (stop checks
+included, the prefill excluded; no end-of-sequence token stops it). Engines: ``transformers`` (``model.generate``,
+growing cache) and ``retrofit`` (``retrofit.generate``: static cache; on CUDA the step is a captured graph, so the
+host launches one graph per token). Results in BENCHMARKS.md, "Current figures > End-to-end generation".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import retrofit  # noqa: E402
+from retrofit.bench.overhead import per_decode_token  # noqa: E402
+from retrofit.kernels import use_backend  # noqa: E402
+from retrofit.sparse import sparse_decoding  # noqa: E402
+from retrofit.variants import parse_variant_spec  # noqa: E402
+
+PROMPT = 300
+BUDGET = 256
+VARIANTS = {
+    "dense": None,
+    f"quest@{BUDGET}": ("quest", {"page_size": 16}),
+    f"streaming@{BUDGET}": ("streaming", {}),
+    f"clusterkv@{BUDGET}": ("clusterkv", {"n_clusters": 32}),
+    f"retrieval@{BUDGET}": ("retrieval", {}),
+    f"seer@{BUDGET}": ("seer", {"random_gates": True}),
+    "gdn 24/32": "convert:gdn:not:every:4",
+    "kda 24/32": "convert:kda:not:every:4",
+}
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def tiny_llama(device: torch.device):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=256, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@contextlib.contextmanager
+def opened(model, variant):
+    if variant is None:
+        yield model
+    elif isinstance(variant, str):
+        with parse_variant_spec(variant).open(model, None) as hybrid:
+            yield hybrid
+    else:
+        method, params = variant
+        with sparse_decoding(model, method=method, budget=BUDGET, **params):
+            yield model
+
+
+@contextlib.contextmanager
+def triton_launches():
+    """Counts Triton kernel launches (compiled or interpreted) in ``counter[0]``."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    counter = [0]
+    saved = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def counting(original):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                counter[0] += 1
+            return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in saved.items():
+        cls.run = counting(original)
+    try:
+        yield counter
+    finally:
+        for cls, original in saved.items():
+            cls.run = original
+
+
+def generator(model, engine: str, ids: torch.Tensor):
+    mask = torch.ones_like(ids)
+    if engine == "transformers":
+        return lambda n: model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return lambda n: retrofit.generate(model, ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+
+
+def launches_per_token(generate, tokens: int = 32, base: int = 8) -> dict[str, float]:
+    """CUDA runtime/driver launch calls per decode token (torch.profiler), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(n: int) -> dict[str, int]:
+        generate(n)  # warm: compiled kernels, captured graphs
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            generate(n)
+            torch.cuda.synchronize()
+        return {event.key: event.count for event in prof.key_averages() if event.key in LAUNCHES}
+
+    short, long = count(base), count(base + tokens)
+    return {name: (long.get(name, 0) - short.get(name, 0)) / tokens for name in LAUNCHES
+            if long.get(name, 0) != short.get(name, 0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from the table")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.backend == "triton" and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--backend triton on the CPU needs TRITON_INTERPRET=1 in the environment")
+    device = torch.device(args.device)
+    model = tiny_llama(device)
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    print("| variant | engine | aten ops / token | host syncs / token | Triton launches / token | CUDA launches / token |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in args.variants.split(","):
+        for engine in ("transformers", "retrofit"):
+            with torch.no_grad(), use_backend(args.backend), opened(model, VARIANTS[name]) as measured:
+                generate = generator(measured, engine, ids)
+                with triton_launches() as launched:
+                    counts = per_decode_token(generate)
+                triton_per_token = None
+                if launched[0]:  # the difference of the two runs, as for the aten counts
+                    with triton_launches() as short:
+                        generate(8)
+                    with triton_launches() as long:
+                        generate(40)
+                    triton_per_token = (long[0] - short[0]) / 32
+                cuda = launches_per_token(generate) if device.type == "cuda" else {}
+            row = {"variant": name, "engine": engine, "ops": counts.ops, "syncs": counts.syncs,
+                   "sync_names": counts.sync_names, "triton_launches": triton_per_token, "cuda_launches": cuda}
+            rows.append(row)
+            cuda_text = ", ".join(f"{key} {value:g}" for key, value in cuda.items())
+            triton_text = "" if triton_per_token is None else f"{triton_per_token:g}"
+            print(f"| {name} | {engine} | {counts.ops:,.0f} | {counts.syncs:g} | {triton_text} | {cuda_text} |",
+                  flush=True)
+    if args.json:
+        from retrofit.atomic import write_json
+
+        write_json(args.json, {"rows": rows, "device": str(device), "backend": args.backend,
+                               "torch": torch.__version__})
+
+
+if __name__ == "__main__":
+    main()

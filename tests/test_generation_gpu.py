@@ -1,0 +1,127 @@
+"""retrofit.generate on CUDA: the decode step captured as a CUDA graph gives the eager step's tokens, allocates
+nothing when replayed, and the host issues one graph launch per token; on the real SmolLM2 the engine's greedy tokens
+equal transformers' (dense, Quest at a budget covering the context, a converted hybrid). Marked gpu: skipped
+without CUDA."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import retrofit
+from retrofit.bench.configs import build_random_model
+from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
+from retrofit.generation.sampling import TokenChooser
+from retrofit.sparse import sparse_decoding
+from retrofit.variants import parse_variant_spec
+
+pytestmark = pytest.mark.gpu
+
+SPARSE = {
+    "quest": {"page_size": 16, "dense_layers": (0,)},
+    "streaming": {"n_sink": 4},
+    "clusterkv": {"n_clusters": 16, "iterations": 3, "recluster_every": 16, "new_clusters": 2, "n_sink": 4},
+    "seer": {"random_gates": True},
+}
+VARIANTS = ["dense", *SPARSE, "convert:gdn:not:every:4", "convert:kda:not:every:4"]
+
+
+@pytest.fixture(scope="module")
+def cuda_model():
+    # float32: graph and eager run the same Triton kernels, so their tokens must agree exactly
+    return build_random_model("smollm2-135m", torch.float32, torch.device("cuda"), layers=4)
+
+
+@contextlib.contextmanager
+def _opened(model, variant: str):
+    if variant in SPARSE:
+        with sparse_decoding(model, method=variant, budget=128, **SPARSE[variant]):
+            yield model
+    else:
+        with parse_variant_spec(variant).open(model, None) as opened:
+            yield opened
+
+
+def _prompt(batch: int = 2, length: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 49152, (batch, length), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :37] = 0  # ragged
+    return ids, mask
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_graph_replays_give_the_eager_tokens(cuda_model, variant):
+    ids, mask = _prompt()
+    with _opened(cuda_model, variant) as model:
+        eager = retrofit.generate(model, ids, mask, max_new_tokens=48, eos_token_id=[], pad_token_id=0,
+                                  cuda_graph=False)
+        graphed = retrofit.generate(model, ids, mask, max_new_tokens=48, eos_token_id=[], pad_token_id=0,
+                                    cuda_graph=True)
+        sampled = [retrofit.generate(model, ids, mask, max_new_tokens=24, do_sample=True, seed=5, eos_token_id=[],
+                                     pad_token_id=0, cuda_graph=graph) for graph in (False, True)]
+    assert torch.equal(eager, graphed), (eager != graphed).sum()
+    assert torch.equal(sampled[0], sampled[1])  # the generator's state advances in the graph as eagerly
+
+
+@pytest.mark.parametrize("variant", ["dense", "quest", "convert:gdn:not:every:4"])
+def test_replays_allocate_nothing_and_launch_one_graph_per_token(cuda_model, variant):
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, mask = _prompt()
+    with _opened(cuda_model, variant) as model, torch.no_grad():
+        generation = StaticGeneration(model, ids, mask, 64, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        loop = DecodeLoop(generation, use_graph=True)
+        with generation.installed():
+            generation.prefill()
+            loop.run(3, stop_at_end=False)  # eager step, capture, first replay
+            torch.cuda.synchronize()
+            allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                loop.run(32, stop_at_end=False)
+                torch.cuda.synchronize()
+            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations  # replays allocate nothing
+    calls = {event.key: event.count for event in prof.key_averages()}
+    assert calls.get("cudaGraphLaunch", 0) == 32
+    kernel_launches = sum(count for key, count in calls.items()
+                          if key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+    assert kernel_launches == 0  # every kernel of a step runs inside the graph
+
+
+def test_retrieval_runs_eagerly_on_cuda(cuda_model):
+    pytest.importorskip("faiss")
+    ids, mask = _prompt()
+    with sparse_decoding(cuda_model, method="retrieval", budget=128):
+        tokens = retrofit.generate(cuda_model, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+        with pytest.raises(retrofit.RetrofitError, match="cannot be captured"):
+            retrofit.generate(cuda_model, ids, mask, max_new_tokens=8, cuda_graph=True)
+    assert tokens.shape == (2, 308)
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda(smollm2):
+    model, tokenizer = smollm2
+    return copy.deepcopy(model).to("cuda"), tokenizer
+
+
+@pytest.mark.parametrize("variant", ["dense", "quest", "hybrid"])
+def test_real_smollm2_engine_equals_transformers_on_cuda(variant, smollm2_cuda):
+    """64 new tokens, ragged batch of 2, fp32: graphed engine (Triton kernels) vs transformers' generate (SDPA)."""
+    from retrofit.convert.build import to_hybrid
+    from retrofit.hybrid import HybridSection
+
+    model, tokenizer = smollm2_cuda
+    if variant == "hybrid":
+        model = to_hybrid(model, HybridSection(layers=[3, 10, 17, 24], layer_type="gdn", base_model_type="llama"))
+    prompts = ["The capital of France is", "Once upon a time, in a small village near the mountains, there lived an old"]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to("cuda")
+    with torch.no_grad():
+        reference = model.generate(**inputs, max_new_tokens=64, do_sample=False, top_p=None, top_k=None,
+                                   pad_token_id=tokenizer.pad_token_id)
+    session = (sparse_decoding(model, method="quest", budget=512, dense_layers=()) if variant == "quest"
+               else contextlib.nullcontext())
+    with session:
+        tokens = retrofit.generate(model, inputs.input_ids, inputs.attention_mask, max_new_tokens=64,
+                                   pad_token_id=tokenizer.pad_token_id, cuda_graph=True)
+    assert torch.equal(tokens, reference), (tokens != reference).sum()
