@@ -119,7 +119,9 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 from retrofit.bench.command import bench_command  # noqa: E402
 from retrofit.convert.command import convert_command, select_command  # noqa: E402
 from retrofit.eval.command import eval_command  # noqa: E402
+from retrofit.harness.command import lm_eval_command, lm_eval_task_command  # noqa: E402
 from retrofit.sparse.methods.seer.command import gates_command  # noqa: E402
 
-for _command in (convert_command, select_command, eval_command, bench_command, gates_command):
+for _command in (convert_command, select_command, eval_command, bench_command, gates_command, lm_eval_command,
+                 lm_eval_task_command):
     main.add_command(_command)

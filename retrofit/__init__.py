@@ -9,9 +9,12 @@ from retrofit.errors import RetrofitError
 from retrofit.load import load
 
 from retrofit.hybrid import register as _register_hybrid_models
+from retrofit.lm_eval_hook import register as _register_harness_model
 
 # Hybrid checkpoints load through AutoModelForCausalLM once retrofit is imported (configs only; no modeling code yet).
 _register_hybrid_models()
+# lm-evaluation-harness, when installed, knows the model name "retrofit" (a lazy placeholder: imports nothing heavy).
+_register_harness_model()
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "sparse_decoding", "RetrofitError", "__version__"]

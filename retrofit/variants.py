@@ -31,11 +31,15 @@ class Variant:
     """A named way of running the model; ``open(model, tokenizer)`` yields the model to evaluate.
 
     ``describer`` (optional) checks the variant against the dense model before anything runs (raising
-    RetrofitError) and returns facts worth recording, e.g. which layers a conversion replaces."""
+    RetrofitError) and returns facts worth recording, e.g. which layers a conversion replaces.
+
+    ``decode_only``: the variant changes decode steps only and leaves every forward pass over a prompt exactly as it
+    was (sparse decoding), so tasks scored by forward passes alone give the dense numbers by construction."""
 
     name: str
     opener: Callable[[object, object], ContextManager[object]]
     describer: Callable[[object], dict] | None = None
+    decode_only: bool = False
 
     def open(self, model, tokenizer) -> ContextManager[object]:
         return self.opener(model, tokenizer)
@@ -93,7 +97,7 @@ def sparse(method: str, budget: int, **params) -> Variant:
         with _sparse_decoding()(model, method=method, budget=budget, **params):
             yield model
 
-    return Variant(name, opener)
+    return Variant(name, opener, decode_only=True)
 
 
 @VARIANT_KINDS.register("hybrid")

@@ -4,25 +4,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
+from _cli_runner import assert_one_line_error, run
 
-from retrofit._entry import cli_module
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.table import markdown_table
 from retrofit.variants import parse_variant_spec, variants_from_options
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli_module().main, list(args))
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_unknown_task_suggests_the_closest(eval_data_dir):
@@ -64,13 +51,19 @@ def test_eval_writes_json_and_prints_the_table(eval_data_dir, tmp_path):
     assert list(payload["results"]) == ["dense"]
     assert list(payload["results"]["dense"]) == ["arc_easy", "mine"]  # a --task-file name is a task like any other
     for metrics in payload["results"]["dense"].values():
-        assert set(metrics) == {"acc", "acc_norm"} and all(v in (0, 1 / 3, 2 / 3, 1) for v in metrics.values())
+        assert set(metrics) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"} and metrics["n"] == 3
+        assert metrics["acc"] in (0, 1 / 3, 2 / 3, 1) and metrics["acc_norm"] in (0, 1 / 3, 2 / 3, 1)
+        # stderr of 3 outcomes of 0/1: sqrt(p (1 - p) / (n - 1)), 0 when all agree
+        p = metrics["acc"]
+        assert metrics["acc_stderr"] == pytest.approx((p * (1 - p) / 2) ** 0.5, rel=1e-12, abs=1e-15)
+    assert payload["units"]["fraction"] == ["acc", "acc_norm", "partial", "score", "score_sd"]
     assert payload["config"]["limit"] == 3 and payload["config"]["dtype"] == "float32"
     assert payload["throughput"]["dense"]["tokens_per_s"] > 0
     assert not list(out.parent.glob(".*.tmp"))  # the temporary file was renamed, not left behind
     table = result.stdout.strip().splitlines()
-    assert table[0] == "| task / metric | dense |"
-    assert table[2].startswith("| arc_easy acc (%) |") and table[-1].startswith("| tokens/s |")
+    assert table[0].startswith("value ± stderr")  # the legend, then the table
+    assert table[2] == "| task / metric | dense |"
+    assert table[4].startswith("| arc_easy acc (%), n=3 |") and table[-1].startswith("| tokens/s |")
 
 
 def test_variant_spec_strings_and_names():
@@ -86,37 +79,75 @@ def test_variant_spec_strings_and_names():
         variants_from_options([], [], [], ["/no/such/hybrid"], [])
 
 
-def test_table_shows_deltas_to_dense_and_speed_ratio():
+def test_table_shows_uncertainty_paired_deltas_and_speed_ratio():
     report = EvalReport(
-        results={"dense": {"piqa": {"acc": 0.625}, "wikitext2": {"ppl": 23.94}},
-                 "quest@256": {"piqa": {"acc": 0.6}, "wikitext2": {"ppl": 24.5}}},
+        results={"dense": {"piqa": {"acc": 0.625, "acc_stderr": 0.0343, "n": 200},
+                           "wikitext2": {"ppl": 23.94, "ppl_ci95_low": 22.1, "ppl_ci95_high": 25.9, "n": 32},
+                           "fidelity": {"kl": 0.0}},
+                 "quest@256": {"piqa": {"acc": 0.6, "acc_stderr": 0.0347, "n": 200, "acc_delta": -0.025,
+                                        "acc_delta_stderr": 0.01, "acc_delta_ci95_low": -0.0446,
+                                        "acc_delta_ci95_high": -0.0054},
+                               "wikitext2": {"ppl": 24.5, "ppl_ci95_low": 22.6, "ppl_ci95_high": 26.5, "n": 32,
+                                             "ppl_delta": 0.56, "ppl_delta_ci95_low": -0.1,
+                                             "ppl_delta_ci95_high": 1.2},
+                               "fidelity": {"kl": 0.1, "kl_delta": 0.1}}},
         throughput={"dense": {"tokens_per_s": 100.0}, "quest@256": {"tokens_per_s": 250.0}})
     lines = markdown_table(report).splitlines()
-    assert lines[0] == "| task / metric | dense | quest@256 |"
-    assert lines[2] == "| piqa acc (%) | 62.500 | 60.000 (-2.500) |"
-    assert lines[3] == "| wikitext2 ppl | 23.940 | 24.500 (+0.560) |"
-    assert lines[4] == "| tokens/s | 100.0 | 250.0 (2.50x) |"
+    assert lines[2] == "| task / metric | dense | quest@256 |"
+    # * marks a delta whose 95% interval excludes 0
+    assert lines[4] == "| piqa acc (%), n=200 | 62.50 ± 3.43 | 60.00 ± 3.47 (Δ -2.50 [-4.46, -0.54] *) |"
+    assert lines[5] == ("| wikitext2 ppl, n=32 | 23.940 [22.100, 25.900] | "
+                        "24.500 [22.600, 26.500] (Δ +0.560 [-0.100, +1.200]) |")
+    assert lines[6] == "| fidelity kl | 0.000 | 0.100 (Δ +0.100) |"  # a plain {metric: value} job: a bare delta
+    assert lines[7] == "| tokens/s | 100.0 | 250.0 (2.50x) |"
+
+
+def test_table_says_dense_by_construction_and_shows_a_broken_one():
+    entries = {"acc": 0.5, "acc_stderr": 0.1, "n": 20, "acc_delta": 0.0, "acc_delta_stderr": 0.0,
+               "acc_delta_ci95_low": 0.0, "acc_delta_ci95_high": 0.0}
+    report = EvalReport(results={"dense": {"piqa": dict(entries)}, "streaming@64": {"piqa": dict(entries)}},
+                        throughput={"dense": {"tokens_per_s": 1.0}, "streaming@64": {"tokens_per_s": 1.0}},
+                        dense_by_construction={"streaming@64": ["piqa"]})
+    assert markdown_table(report).splitlines()[4] == "| piqa acc (%), n=20 | 50.00 ± 10.00 | = dense (by construction) |"
+    report.results["streaming@64"]["piqa"].update(acc=0.45, acc_delta=-0.05, acc_delta_ci95_low=-0.1,
+                                                  acc_delta_ci95_high=0.0)
+    assert markdown_table(report).splitlines()[4].endswith("(Δ -5.00 [-10.00, +0.00]) ≠ dense! |")
 
 
 def test_sparse_variant_plugs_in_and_leaves_prefill_scores_alone(eval_data_dir, tmp_path):
     """Sparse decoding changes decode steps only; multiple choice is scored by prefill, so the variant must give
-    exactly dense's numbers (and a column of its own)."""
-    out = tmp_path / "eval.json"
-    result = run("eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", str(eval_data_dir), "--limit", "2",
-                 "--device", "cpu", "--sparse", "streaming", "--budget", "64", "--json", str(out))
+    exactly dense's numbers: a measured delta of 0 with stderr 0, listed as dense by construction, and the table
+    says so instead of printing the 0. --log-samples writes one line per variant and item."""
+    out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
+    result = run("eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", str(eval_data_dir), "--limit", "3",
+                 "--device", "cpu", "--sparse", "streaming", "--budget", "64", "--json", str(out),
+                 "--log-samples", str(samples))
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
     assert list(payload["results"]) == ["dense", "streaming@64"]
-    assert payload["results"]["streaming@64"] == payload["results"]["dense"]
-    assert "| task / metric | dense | streaming@64 |" in result.stdout
+    dense_piqa, sparse_piqa = payload["results"]["dense"]["piqa"], payload["results"]["streaming@64"]["piqa"]
+    assert {k: v for k, v in sparse_piqa.items() if "_delta" not in k} == dense_piqa  # to the last digit
+    assert sparse_piqa["acc_delta"] == 0.0 and sparse_piqa["acc_delta_stderr"] == 0.0
+    assert payload["dense_by_construction"] == {"streaming@64": ["piqa"]}
+    assert "| piqa acc (%), n=3 |" in result.stdout and "= dense (by construction)" in result.stdout
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(r["variant"], r["item"]) for r in records] == [("dense", 0), ("dense", 1), ("dense", 2),
+                                                           ("streaming@64", 0), ("streaming@64", 1),
+                                                           ("streaming@64", 2)]
+    first = records[0]
+    assert first["task"] == "piqa" and first["gold"] == 0 and len(first["loglikelihoods"]) == 2
+    assert first["acc"] == float(first["pred"] == first["gold"])
+    assert sum(r["acc"] for r in records[:3]) / 3 == dense_piqa["acc"]
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_plot_is_written_atomically_as_png(tmp_path):
     from retrofit.eval.plot import save_plot
 
     report = EvalReport(
-        results={name: {"passkey@1024": {"score": s1}, "passkey@2048": {"score": s2}, "piqa": {"acc": 0.6}}
-                 for name, s1, s2 in (("dense", 100.0, 75.0), ("streaming@64", 50.0, 25.0))},
+        results={name: {"passkey@1024": {"score": s1}, "passkey@2048": {"score": s2},
+                        "piqa": {"acc": 0.6, "acc_stderr": 0.03, "n": 200}}
+                 for name, s1, s2 in (("dense", 1.0, 0.75), ("streaming@64", 0.5, 0.25))},
         throughput={"dense": {"tokens_per_s": 1.0}, "streaming@64": {"tokens_per_s": 2.0}})
     out = tmp_path / "plot.png"
     save_plot(report, out)

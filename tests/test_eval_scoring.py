@@ -20,9 +20,13 @@ SCORE_TOLERANCE = 1e-4
 
 @torch.no_grad()
 def reference_logprob(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
-    """The protocol written out plainly for ONE pair: encode context and context+continuation without special
-    tokens, the continuation tokens are the whole encoding past the context's length; run the whole sequence
-    unpadded; sum the log-softmax at the positions predicting the continuation."""
+    """The protocol written out plainly for ONE pair: trailing whitespace of the context belongs to the continuation
+    (lm-evaluation-harness); encode context and context+continuation without special tokens, the continuation
+    tokens are the whole encoding past the context's length; run the whole sequence unpadded; sum the log-softmax
+    at the positions predicting the continuation."""
+    trailing = len(context) - len(context.rstrip())
+    if trailing:
+        context, continuation = context[:-trailing], context[-trailing:] + continuation
     context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
     whole_ids = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
     n_continuation = len(whole_ids) - len(context_ids)
@@ -36,14 +40,14 @@ def reference_logprob(model, tokenizer, context: str, continuation: str) -> tupl
 
 
 def reference_accuracy(model, tokenizer, items) -> tuple[float, float, list[float]]:
-    """acc and acc_norm (by len(" " + choice)) one item and one choice at a time."""
+    """acc and acc_norm (by len(choice), as lm-evaluation-harness) one item and one choice at a time."""
     correct = correct_norm = 0
     all_scores = []
     for item in items:
         scores = [reference_logprob(model, tokenizer, item.query, " " + choice)[0] for choice in item.choices]
         all_scores += scores
         correct += scores.index(max(scores)) == item.gold
-        normalized = [score / len(" " + choice) for score, choice in zip(scores, item.choices)]
+        normalized = [score / len(choice) for score, choice in zip(scores, item.choices)]
         correct_norm += normalized.index(max(normalized)) == item.gold
     return correct / len(items), correct_norm / len(items), all_scores
 
@@ -90,11 +94,15 @@ def test_lambada_matches_independent_greedy_check(smollm2, eval_data_dir):
 
 
 def test_continuation_tokens_split_at_context_length(smollm2):
+    """PIQA's queries end in a newline: as in lm-evaluation-harness it is scored with the continuation."""
     _, tokenizer = smollm2
     request = encode_pair(tokenizer, "Question: dresser\n", " replace drawer with bobby pin")
     whole = tokenizer.encode("Question: dresser\n replace drawer with bobby pin", add_special_tokens=False)
     assert list(request.context_ids) + list(request.continuation_ids) == whole
-    assert tokenizer.decode(list(request.continuation_ids)) == " replace drawer with bobby pin"
+    assert tokenizer.decode(list(request.context_ids)) == "Question: dresser"
+    assert tokenizer.decode(list(request.continuation_ids)) == "\n replace drawer with bobby pin"
+    plain = encode_pair(tokenizer, "Question: dresser", " pin")  # nothing to move
+    assert tokenizer.decode(list(plain.continuation_ids)) == " pin"
 
 
 def test_hellaswag_loader_reads_six_line_items(eval_data_dir):

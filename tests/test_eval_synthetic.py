@@ -7,7 +7,7 @@ import pytest
 from retrofit.errors import RetrofitError
 from retrofit.eval.generation import greedy_generate
 from retrofit.eval.synthetic import (NOISE, SYNTHETIC_TASKS, Haystack, SyntheticItem, generate_items,
-                                     insert_at_depths, score_outputs, seed_spread)
+                                     insert_at_depths, item_scores, score_outputs, seed_spread)
 
 TASK_NAMES = SYNTHETIC_TASKS.names()
 
@@ -83,15 +83,17 @@ def _item(task: str, answers: tuple[str, ...]) -> SyntheticItem:
 
 def test_scorers_on_hand_made_outputs():
     single = [_item("niah_single", ("1234567",)), _item("niah_single", ("7654321",))]
-    assert score_outputs("niah_single", single, [" 1234567.", " 765432"]) == {"score": 50.0}
+    assert score_outputs("niah_single", single, [" 1234567.", " 765432"]) == {"score": 0.5}
     multi = [_item("niah_multivalue", ("111", "222", "333", "444")), _item("niah_multivalue", ("5", "6", "7", "8"))]
     outputs = ["111, 222, 333 and 444", "5 and 6"]
-    assert score_outputs("niah_multivalue", multi, outputs) == {"score": 50.0, "partial": 75.0}
+    assert score_outputs("niah_multivalue", multi, outputs) == {"score": 0.5, "partial": 0.75}
     words = [_item("cwe", ("Apple", "pear"))]
-    assert score_outputs("cwe", words, ["1. apple 2. PEAR"]) == {"score": 100.0, "partial": 100.0}  # case-insensitive
+    assert score_outputs("cwe", words, ["1. apple 2. PEAR"]) == {"score": 1.0, "partial": 1.0}  # case-insensitive
     keys = [_item("passkey", ("12345",)), _item("passkey", ("12345",)), _item("passkey", ("12345",))]
     # first integer only: "99 ... 12345" is wrong although the key appears later
-    assert score_outputs("passkey", keys, [" 12345.", "99 then 12345", "123456"]) == {"score": 100 / 3}
+    assert score_outputs("passkey", keys, [" 12345.", "99 then 12345", "123456"]) == {"score": 1 / 3}
+    assert item_scores("passkey", keys, [" 12345.", "99 then 12345", "123456"]) == {"score": [1.0, 0.0, 0.0]}
+    assert item_scores("niah_multivalue", multi, outputs) == {"score": [1.0, 0.0], "partial": [1.0, 0.5]}
 
 
 def test_left_padded_batches_generate_like_single_prompts(smollm2):
@@ -115,11 +117,11 @@ def test_dense_smollm2_reads_the_pass_key_at_1k(smollm2):
     items = generate_items("passkey", tokenizer, 1024, seeds=[0], num_items=4)
     outputs = greedy_generate(model, tokenizer, [list(item.prompt_ids) for item in items], items[0].max_new_tokens,
                               batch_size=4)
-    assert score_outputs("passkey", items, outputs)["score"] >= 75.0, outputs
+    assert score_outputs("passkey", items, outputs)["score"] >= 0.75, outputs
 
 
 def test_seed_spread_is_the_sample_sd_of_per_seed_scores():
     items = [SyntheticItem("passkey", 1024, seed, index, (1,), ("42",), 8) for seed in (0, 1) for index in range(2)]
-    outputs = ["42", "42", "42", "7"]  # seed 0: 100%, seed 1: 50% -> mean 75, sample SD = sqrt(2 * 25^2 / 1)
-    assert seed_spread("passkey", items, outputs) == pytest.approx(50 / 2 ** 0.5)
-    assert score_outputs("passkey", items, outputs)["score"] == 75.0
+    outputs = ["42", "42", "42", "7"]  # seed 0: 1.0, seed 1: 0.5 -> mean 0.75, sample SD = sqrt(2 * 0.25^2 / 1)
+    assert seed_spread("passkey", items, outputs) == pytest.approx(0.5 / 2 ** 0.5)
+    assert score_outputs("passkey", items, outputs)["score"] == 0.75

@@ -10,7 +10,11 @@ from retrofit.cliargs import parse_lengths, parse_pairs
 from retrofit.errors import RetrofitError
 
 EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same items; print one Markdown table
-(tasks x metrics as rows, variants as columns, the delta to dense beside each value, tokens/s per variant).
+(tasks x metrics as rows with their item counts, variants as columns, tokens/s per variant). Each value carries its
+standard error (or 95% interval), each variant its paired delta to dense with a 95% interval (* when it excludes 0).
+Every item of each file is used unless --limit is given. Sparse decoding changes decode steps only: on tasks scored
+by forward passes alone (perplexity, multiple choice, LAMBADA) a sparse variant equals dense by construction; it is
+run all the same (its delta of 0 is measured) and its cells read "= dense (by construction)".
 
 \b
 MODEL: a local model directory, a .gguf file, a hub id, or the alias smollm2-135m.
@@ -32,6 +36,8 @@ VARIANTS (dense always runs first):
 \b
 Examples:
   retrofit eval smollm2-135m --tasks wikitext2,piqa --data-dir data/eval --limit 200
+  retrofit eval smollm2-135m --tasks piqa,arc_easy,hellaswag --data-dir data/eval --hybrid out/smollm2-gdn \\
+      --json out.json --log-samples samples.jsonl
   retrofit eval smollm2-135m --tasks niah_single,passkey --context-length 2k,4k \\
       --sparse streaming --budget 512 --json out.json --plot out.png
 """
@@ -52,7 +58,7 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--task-file", "task_files", multiple=True, metavar="NAME=PATH",
               help="Bind NAME to a multiple-choice jsonl file ({query, choices, gold} per line).")
 @click.option("--limit", type=int, default=None,
-              help="First N items / windows of each task (synthetic tasks: N items per seed, default 20).")
+              help="First N items / windows of each task [default: all of them; synthetic tasks: 20 items per seed].")
 @click.option("--seq-len", type=int, default=1024, show_default=True, help="Perplexity window in tokens.")
 @click.option("--context-length", "context_length", default="4096", show_default=True,
               help="Comma-separated prompt lengths of the synthetic tasks (1k = 1024).")
@@ -74,14 +80,17 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
               help='Variant spec: "METHOD:budget=N[,k=v...]", "hybrid:DIR", "convert:gdn|kda:LAYERS" (repeatable).')
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG chart here.")
+@click.option("--log-samples", "samples_path", type=click.Path(path_type=Path), default=None,
+              help="Write one JSON line per variant, task and item here (inputs, per-item scores, outputs).")
 def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tuple[str, ...], limit: int | None,
                  seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,
                  batch_size: int, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
                  budgets: tuple[int, ...], sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...],
-                 variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None) -> None:
+                 variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None,
+                 samples_path: Path | None) -> None:
     from retrofit.atomic import write_json
     from retrofit.devices import default_dtype
-    from retrofit.eval.runner import run_eval
+    from retrofit.eval.runner import run_eval, write_samples
     from retrofit.eval.table import markdown_table
     from retrofit.eval.tasks import EvalSettings, build_jobs
     from retrofit.load import load
@@ -110,11 +119,14 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
               "haystack": str(haystack) if haystack else None, "batch_size": batch_size,
               "device": str(next(loaded.parameters()).device), "dtype": dtype,
               "variants": ["dense"] + [variant.name for variant in variants], "versions": library_versions(),
-              "model_kind": "hybrid" if getattr(loaded.config, "retrofit", None) else "dense"}
+              "model_kind": "hybrid" if getattr(loaded.config, "retrofit", None) else "dense",
+              "log_samples": str(samples_path) if samples_path else None}
     report = run_eval(loaded, tokenizer, jobs, variants, batch_size, config)
     report.config["wall_seconds"] = time.perf_counter() - began
     if json_path is not None:
         write_json(json_path, report.to_json())
+    if samples_path is not None:
+        write_samples(report, samples_path)
     if plot_path is not None:
         from retrofit.eval.plot import save_plot
 

@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from retrofit.eval.loglikelihood import Throughput, encode_pair, score_requests
+from retrofit.eval.loglikelihood import Score, Throughput, encode_pair, score_requests
+from retrofit.eval.outcome import MeanMetric, PerplexityMetric, TaskOutcome
 from retrofit.eval.records import read_jsonl
 
 
@@ -25,10 +26,24 @@ def load_lambada(path: Path, limit: int | None = None) -> list[LambadaItem]:
                       "LAMBADA", '{"context", "continuation"}', limit)
 
 
+def score_lambada(model, tokenizer, items: list[LambadaItem], batch_size: int = 8, desc: str = "lambada",
+                  throughput: Throughput | None = None) -> list[Score]:
+    """The score of ``" " + continuation`` after each item's context."""
+    requests = [encode_pair(tokenizer, item.context, " " + item.continuation) for item in items]
+    return score_requests(model, requests, batch_size, desc, throughput)
+
+
 def evaluate_lambada(model, tokenizer, items: list[LambadaItem], batch_size: int = 8, desc: str = "lambada",
                      throughput: Throughput | None = None) -> dict[str, float]:
     """``{"acc": fraction of items predicted greedily in full, "ppl": exp(mean continuation NLL)}``."""
-    requests = [encode_pair(tokenizer, item.context, " " + item.continuation) for item in items]
-    scores = score_requests(model, requests, batch_size, desc, throughput)
+    scores = score_lambada(model, tokenizer, items, batch_size, desc, throughput)
     return {"acc": sum(score.is_greedy for score in scores) / len(scores),
             "ppl": math.exp(-sum(score.logprob for score in scores) / len(scores))}
+
+
+def lambada_outcome(items: list[LambadaItem], scores: list[Score]) -> TaskOutcome:
+    """``acc`` per item (0/1) and ``ppl`` over items (one unit per item, as lm-evaluation-harness aggregates it)."""
+    records = [{"context": item.context, "continuation": item.continuation, "loglikelihood": score.logprob,
+                "acc": float(score.is_greedy)} for item, score in zip(items, scores)]
+    return TaskOutcome({"acc": MeanMetric([record["acc"] for record in records]),
+                        "ppl": PerplexityMetric([-score.logprob for score in scores], [1.0] * len(scores))}, records)

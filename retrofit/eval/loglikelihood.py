@@ -1,9 +1,10 @@
 """Batched log-likelihood of continuations given contexts (the scoring core of multiple choice and LAMBADA).
 
-Tokenization follows lm-evaluation-harness (``HFLM._encode_pair``): the context and the context + continuation
-are each encoded WITHOUT special tokens, and the continuation tokens are ``encode(context + continuation)``
-past ``len(encode(context))``. The context is kept exactly as stored (no trailing whitespace is moved into the
-continuation). The model input is ``(context + continuation)[:-1]``, left-truncated to the model's maximum length.
+Tokenization follows lm-evaluation-harness (``TemplateLM._encode_pair``, 0.4.x), so that both harnesses score the
+same tokens: trailing whitespace of the context moves to the front of the continuation (PIQA's queries end in
+``"\n"``), then the context and the context + continuation are each encoded WITHOUT special tokens, and the
+continuation tokens are ``encode(context + continuation)`` past ``len(encode(context))``. The model input is
+``(context + continuation)[:-1]``, left-truncated to the model's maximum length.
 
 Batches are right-padded; causal attention means the real tokens of a row never see its padding, so results
 equal batch size 1 up to float rounding (tests/test_eval_scoring.py checks this with numbers).
@@ -53,7 +54,10 @@ class Throughput:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> Request:
-    """Token ids of ``context`` and of ``continuation`` (split from the whole encoding at the context length)."""
+    """Token ids of ``context`` and of ``continuation`` (split from the whole encoding at the context length), after
+    moving the context's trailing whitespace into the continuation as lm-evaluation-harness does."""
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped):] + continuation
     context_ids = tokenizer.encode(context, add_special_tokens=False)
     whole_ids = tokenizer.encode(context + continuation, add_special_tokens=False)
     return Request(tuple(context_ids), tuple(whole_ids[len(context_ids):]))

@@ -3,7 +3,8 @@
 Protocol (design/evaluation.md, lm-evaluation-harness definitions): context = the query exactly as stored;
 continuation = ``" " + choice``; score = sum of log-probabilities of the continuation tokens (tokenized as in
 ``retrofit.eval.loglikelihood``); ``acc`` = argmax of score is the gold index; ``acc_norm`` = argmax of
-score / character length of the continuation (``len(" " + choice)``). Ties go to the lowest index (``argmax``).
+score / character length of the choice (``len(choice)``, as lm-evaluation-harness divides by the length of each
+``doc_to_choice`` string). Ties go to the lowest index (``argmax``, as ``numpy.argmax``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from retrofit.errors import RetrofitError
 from retrofit.eval.records import read_jsonl
 from retrofit.eval.loglikelihood import Request, Score, Throughput, encode_pair, score_requests
+from retrofit.eval.outcome import MeanMetric, TaskOutcome
 
 
 @dataclass(frozen=True)
@@ -76,17 +78,33 @@ def build_requests(tokenizer, items: list[MultipleChoiceItem]) -> list[Request]:
     return [encode_pair(tokenizer, item.query, continuation(choice)) for item in items for choice in item.choices]
 
 
-def metrics_from_scores(items: list[MultipleChoiceItem], scores: list[Score]) -> dict[str, float]:
-    """``acc`` and ``acc_norm`` (fractions in [0, 1]) from the item-major scores of ``build_requests``."""
-    correct = correct_norm = 0
+def item_outcomes(items: list[MultipleChoiceItem], scores: list[Score]) -> list[dict]:
+    """One record per item from the item-major scores of ``build_requests``: the choice log-likelihoods, the
+    predictions and whether each is right (``acc``, ``acc_norm`` as 0/1)."""
+    records = []
     position = 0
     for item in items:
         item_scores = [score.logprob for score in scores[position:position + len(item.choices)]]
         position += len(item.choices)
-        normalized = [value / len(continuation(choice)) for value, choice in zip(item_scores, item.choices)]
-        correct += _argmax(item_scores) == item.gold
-        correct_norm += _argmax(normalized) == item.gold
-    return {"acc": correct / len(items), "acc_norm": correct_norm / len(items)}
+        normalized = [value / max(len(choice), 1) for value, choice in zip(item_scores, item.choices)]
+        pred, pred_norm = _argmax(item_scores), _argmax(normalized)
+        records.append({"query": item.query, "choices": list(item.choices), "gold": item.gold,
+                        "loglikelihoods": item_scores, "pred": pred, "pred_norm": pred_norm,
+                        "acc": float(pred == item.gold), "acc_norm": float(pred_norm == item.gold)})
+    return records
+
+
+def metrics_from_scores(items: list[MultipleChoiceItem], scores: list[Score]) -> dict[str, float]:
+    """``acc`` and ``acc_norm`` (fractions in [0, 1]) from the item-major scores of ``build_requests``."""
+    records = item_outcomes(items, scores)
+    return {metric: sum(record[metric] for record in records) / len(records) for metric in ("acc", "acc_norm")}
+
+
+def outcome_from_scores(items: list[MultipleChoiceItem], scores: list[Score]) -> TaskOutcome:
+    """``acc`` and ``acc_norm`` as per-item 0/1 values (for stderr and paired deltas) and the per-item records."""
+    records = item_outcomes(items, scores)
+    return TaskOutcome({metric: MeanMetric([record[metric] for record in records]) for metric in ("acc", "acc_norm")},
+                       records)
 
 
 def _argmax(values: list[float]) -> int:

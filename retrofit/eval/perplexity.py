@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from retrofit import textfiles
 from retrofit.errors import RetrofitError
 from retrofit.eval.loglikelihood import Throughput
+from retrofit.eval.outcome import PerplexityMetric, TaskOutcome
 from retrofit.model_info import model_device
 
 
@@ -39,25 +40,38 @@ def read_text(path: Path) -> str:
 
 
 @torch.no_grad()
+def window_nlls(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "perplexity",
+                throughput: Throughput | None = None) -> list[float]:
+    """Summed NLL (nats) of tokens 1..T-1 of each window of ``windows [N, T]``, in window order."""
+    device = model_device(model)
+    nlls: list[float] = []
+    for start in tqdm(range(0, len(windows), batch_size), desc=desc, unit="batch", leave=False):
+        batch = windows[start:start + batch_size].to(device)
+        began = time.perf_counter()
+        logits = model(input_ids=batch, use_cache=False).logits
+        for row in range(len(batch)):
+            nlls.append(float(F.cross_entropy(logits[row, :-1].float(), batch[row, 1:], reduction="sum")))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if throughput is not None:
+            throughput.add(Throughput(batch.numel(), time.perf_counter() - began))
+    return nlls
+
+
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "perplexity",
                throughput: Throughput | None = None) -> dict[str, float]:
     """Perplexity of ``windows [N, T]``: ``exp(mean NLL of tokens 1..T-1 of every window)``.
 
     Returns ``{"ppl": ..., "nll": mean NLL in nats, "tokens": number of predicted tokens}``.
     """
-    device = model_device(model)
-    total_nll = 0.0
-    total_tokens = 0
-    for start in tqdm(range(0, len(windows), batch_size), desc=desc, unit="batch", leave=False):
-        batch = windows[start:start + batch_size].to(device)
-        began = time.perf_counter()
-        logits = model(input_ids=batch, use_cache=False).logits
-        for row in range(len(batch)):
-            total_nll += float(F.cross_entropy(logits[row, :-1].float(), batch[row, 1:], reduction="sum"))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if throughput is not None:
-            throughput.add(Throughput(batch.numel(), time.perf_counter() - began))
-        total_tokens += len(batch) * (batch.shape[1] - 1)
-    mean_nll = total_nll / total_tokens
+    nlls = window_nlls(model, windows, batch_size, desc, throughput)
+    total_tokens = len(nlls) * (windows.shape[1] - 1)
+    mean_nll = sum(nlls) / total_tokens
     return {"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": float(total_tokens)}
+
+
+def perplexity_outcome(nlls: list[float], seq_len: int) -> TaskOutcome:
+    """``ppl`` over windows (for the bootstrap interval) and one record per window."""
+    tokens = [float(seq_len - 1)] * len(nlls)
+    return TaskOutcome({"ppl": PerplexityMetric(list(nlls), tokens)},
+                       [{"window": index, "nll": nll, "tokens": seq_len - 1} for index, nll in enumerate(nlls)])

@@ -1,40 +1,81 @@
-"""Run every job on dense and then on each variant, on the same items; collect metrics and tokens/s."""
+"""Run every job on dense and then on each variant, on the same items; collect metrics with their uncertainty, the
+paired deltas to dense, per-item records and tokens/s."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from retrofit.atomic import write_text
 
 from retrofit.eval.loglikelihood import Throughput
+from retrofit.eval.outcome import UNITS, TaskOutcome, as_outcome, summarize, summarize_against
 from retrofit.eval.tasks import Job
 from retrofit.variants import Variant, dense
 
 
 @dataclass
 class EvalReport:
-    """``results[variant][task][metric]``, ``throughput[variant] = {tokens, seconds, tokens_per_s}``, config."""
+    """``results[variant][task][metric]`` (names and units: :mod:`retrofit.eval.outcome`),
+    ``throughput[variant] = {tokens, seconds, tokens_per_s}``, ``config``, ``dense_by_construction[variant]`` (the
+    tasks on which the variant cannot differ from dense: a decode-only variant on a task scored by forward passes
+    alone; they are run all the same, so their zero deltas are measured, not assumed) and ``samples[variant][task]``
+    (one record per item, for ``--log-samples``)."""
 
     results: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     throughput: dict[str, dict[str, float]] = field(default_factory=dict)
     config: dict[str, object] = field(default_factory=dict)
+    dense_by_construction: dict[str, list[str]] = field(default_factory=dict)
+    samples: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
 
     @property
     def variants(self) -> list[str]:
         return list(self.results)
 
     def to_json(self) -> dict[str, object]:
-        return {"results": self.results, "throughput": self.throughput, "config": self.config}
+        return {"results": self.results, "dense_by_construction": self.dense_by_construction, "units": UNITS,
+                "throughput": self.throughput, "config": self.config}
 
 
 def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_size: int = 8,
              config: dict[str, object] | None = None) -> EvalReport:
-    """Prepare the jobs once (items/tokenization), then run them under ``dense`` and each variant in turn."""
+    """Prepare the jobs once (items/tokenization), then run them under ``dense`` and each variant in turn.
+
+    A variant's results carry the paired delta to dense per metric. A ``decode_only`` variant (sparse decoding) on
+    a ``prefill_only`` job is listed in ``report.dense_by_construction``: it still runs (the cost of a dense run),
+    so that its delta of 0 with stderr 0 is a measurement of the contract that sparse decoding leaves every forward
+    pass over a prompt bit-identical, and the table says "dense by construction" instead of showing that 0."""
     for job in jobs:
         job.prepare(model, tokenizer)
     report = EvalReport(config=dict(config or {}))
+    dense_outcomes: dict[str, TaskOutcome] = {}
     for variant in [dense(), *variants]:
         throughput = Throughput()
+        results: dict[str, dict[str, float]] = {}
+        samples: dict[str, list[dict]] = {}
         with variant.open(model, tokenizer) as evaluated:
-            report.results[variant.name] = {job.key: job.run(evaluated, tokenizer, batch_size, throughput)
-                                            for job in jobs}
+            for job in jobs:
+                outcome = as_outcome(job.run(evaluated, tokenizer, batch_size, throughput))
+                if variant.name == "dense":
+                    dense_outcomes[job.key] = outcome
+                    results[job.key] = summarize(outcome)
+                else:
+                    results[job.key] = summarize_against(outcome, dense_outcomes[job.key])
+                samples[job.key] = outcome.samples
+        report.results[variant.name] = results
+        report.samples[variant.name] = samples
+        unchanged = [job.key for job in jobs if variant.decode_only and job.prefill_only]
+        if unchanged:
+            report.dense_by_construction[variant.name] = unchanged
         report.throughput[variant.name] = {"tokens": float(throughput.tokens), "seconds": throughput.seconds,
                                            "tokens_per_s": throughput.tokens_per_second}
     return report
+
+
+def write_samples(report: EvalReport, path: Path) -> Path:
+    """``--log-samples``: one JSON line per variant, task and item (``{"variant", "task", "item", ...record}``),
+    written atomically (a reader sees the whole file or none of it)."""
+    lines = [json.dumps({"variant": variant, "task": task, "item": index, **record})
+             for variant, tasks in report.samples.items() for task, records in tasks.items()
+             for index, record in enumerate(records)]
+    return write_text(path, "\n".join(lines) + "\n" if lines else "")

@@ -7,9 +7,10 @@ haystack is binary-searched on the real tokenizer. Prompts go through the tokeni
 has one, followed by an answer prefix (as RULER does), so a few greedy tokens suffice.
 
 Tasks: ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt``, ``cwe``, ``fwe``, ``passkey``.
-Scoring: ``score`` = percentage of items whose answer strings ALL appear (case-insensitive) in the output;
-multi-answer tasks also report ``partial`` = mean percentage of the answer strings found (RULER's
-``string_match_all``). ``passkey`` compares the first integer of the output with the key.
+Scoring: ``score`` = fraction of items whose answer strings ALL appear (case-insensitive) in the output;
+multi-answer tasks also report ``partial`` = mean fraction of the answer strings found (RULER's
+``string_match_all``). ``passkey`` compares the first integer of the output with the key. Fractions in [0, 1], as
+``acc`` (the table shows percent).
 """
 from __future__ import annotations
 
@@ -340,20 +341,26 @@ def first_integer_matches(output: str, answers: tuple[str, ...]) -> bool:
     return match is not None and match.group(0) == answers[0]
 
 
-def score_outputs(task_name: str, items: list[SyntheticItem], outputs: list[str]) -> dict[str, float]:
-    """``{"score": % of items fully answered}`` (+ ``"partial"`` for multi-answer tasks), percentages 0..100."""
+def item_scores(task_name: str, items: list[SyntheticItem], outputs: list[str]) -> dict[str, list[float]]:
+    """Per item: ``score`` 1.0 when every answer is found (passkey: the first integer is the key), else 0.0; for
+    multi-answer tasks also ``partial``, the fraction of the item's answers found."""
     task = SYNTHETIC_TASKS.get(task_name)
     if task.first_integer:
-        return {"score": 100.0 * sum(first_integer_matches(o, i.answers) for i, o in zip(items, outputs)) / len(items)}
+        return {"score": [float(first_integer_matches(o, i.answers)) for i, o in zip(items, outputs)]}
     fractions = [answer_fraction(output, item.answers) for item, output in zip(items, outputs)]
-    metrics = {"score": 100.0 * sum(fraction == 1.0 for fraction in fractions) / len(items)}
+    scores = {"score": [float(fraction == 1.0) for fraction in fractions]}
     if task.multi_answer:
-        metrics["partial"] = 100.0 * sum(fractions) / len(items)
-    return metrics
+        scores["partial"] = fractions
+    return scores
+
+
+def score_outputs(task_name: str, items: list[SyntheticItem], outputs: list[str]) -> dict[str, float]:
+    """``{"score": fraction of items fully answered}`` (+ ``"partial"`` for multi-answer tasks), in [0, 1]."""
+    return {metric: sum(values) / len(values) for metric, values in item_scores(task_name, items, outputs).items()}
 
 
 def seed_spread(task_name: str, items: list[SyntheticItem], outputs: list[str]) -> float:
-    """Sample standard deviation (n - 1) of the per-seed ``score`` (percentage points); needs >= 2 seeds."""
+    """Sample standard deviation (n - 1) of the per-seed ``score`` (a fraction, as ``score``); needs >= 2 seeds."""
     seeds = sorted({item.seed for item in items})
     if len(seeds) < 2:
         raise ValueError("seed_spread needs items of at least two seeds")

@@ -18,6 +18,7 @@ from retrofit.errors import RetrofitError
 from retrofit.eval import lambada, multiple_choice, perplexity, synthetic
 from retrofit.eval.generation import greedy_generate
 from retrofit.eval.loglikelihood import Throughput
+from retrofit.eval.outcome import MeanMetric, TaskOutcome
 from retrofit.model_info import max_model_length
 from retrofit.registry import Registry
 
@@ -64,11 +65,17 @@ class EvalSettings:
 @dataclass
 class Job:
     """One task result (a task, or a synthetic task at one context length): ``prepare(model, tokenizer)`` once,
-    then ``run(model, tokenizer, batch_size, throughput) -> {metric: value}`` per variant."""
+    then ``run(model, tokenizer, batch_size, throughput)`` per variant, returning a :class:`TaskOutcome` (per-item
+    values: stderr and paired deltas) or a plain ``{metric: value}``.
+
+    ``prefill_only``: the task is scored from forward passes alone (perplexity, multiple choice, LAMBADA), never a
+    decode step, so a variant that changes decode steps only (sparse decoding) gives dense's numbers by
+    construction and is not run on it."""
 
     key: str
-    run: Callable[..., dict[str, float]]
+    run: Callable[..., TaskOutcome | dict[str, float]]
     prepare: Callable[[object, object], None] = lambda model, tokenizer: None
+    prefill_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,11 +102,11 @@ def _perplexity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
             state["windows"] = perplexity.token_windows(tokenizer, perplexity.read_text(path), settings.seq_len,
                                                         settings.limit)
 
-        def run(model, tokenizer, batch_size: int, throughput: Throughput) -> dict[str, float]:
-            result = perplexity.perplexity(model, state["windows"], batch_size, desc=task, throughput=throughput)
-            return {"ppl": result["ppl"]}
+        def run(model, tokenizer, batch_size: int, throughput: Throughput) -> TaskOutcome:
+            nlls = perplexity.window_nlls(model, state["windows"], batch_size, desc=task, throughput=throughput)
+            return perplexity.perplexity_outcome(nlls, settings.seq_len)
 
-        return [Job(task, run, prepare)]
+        return [Job(task, run, prepare, prefill_only=True)]
     return jobs
 
 
@@ -107,21 +114,22 @@ def _multiple_choice_jobs(loader: Callable[[Path, int | None], list], path_of: C
     def jobs(task: str, settings: EvalSettings) -> list[Job]:
         items = loader(path_of(settings), settings.limit)
 
-        def run(model, tokenizer, batch_size: int, throughput: Throughput) -> dict[str, float]:
-            metrics, _ = multiple_choice.evaluate_multiple_choice(model, tokenizer, items, batch_size, task, throughput)
-            return metrics
+        def run(model, tokenizer, batch_size: int, throughput: Throughput) -> TaskOutcome:
+            _, scores = multiple_choice.evaluate_multiple_choice(model, tokenizer, items, batch_size, task, throughput)
+            return multiple_choice.outcome_from_scores(items, scores)
 
-        return [Job(task, run)]
+        return [Job(task, run, prefill_only=True)]
     return jobs
 
 
 def _lambada_jobs(task: str, settings: EvalSettings) -> list[Job]:
     items = lambada.load_lambada(settings.data_file(task, "lambada_openai.jsonl"), settings.limit)
 
-    def run(model, tokenizer, batch_size: int, throughput: Throughput) -> dict[str, float]:
-        return lambada.evaluate_lambada(model, tokenizer, items, batch_size, task, throughput)
+    def run(model, tokenizer, batch_size: int, throughput: Throughput) -> TaskOutcome:
+        return lambada.lambada_outcome(items, lambada.score_lambada(model, tokenizer, items, batch_size, task,
+                                                                    throughput))
 
-    return [Job(task, run)]
+    return [Job(task, run, prefill_only=True)]
 
 
 def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
@@ -142,13 +150,23 @@ def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
             items = state["items"]
             outputs = greedy_generate(model, tokenizer, [list(item.prompt_ids) for item in items],
                                       items[0].max_new_tokens, batch_size, f"{task}@{length}", throughput)
-            metrics = synthetic.score_outputs(task, items, outputs)
-            if settings.num_seeds > 1:
-                metrics["score_sd"] = synthetic.seed_spread(task, items, outputs)
-            return metrics
+            return _synthetic_outcome(task, items, outputs, settings.num_seeds > 1)
 
         jobs.append(Job(f"{task}@{length}", run, prepare))
     return jobs
+
+
+def _synthetic_outcome(task: str, items: list, outputs: list[str], with_seed_spread: bool) -> TaskOutcome:
+    """``score`` (0/1 per item: Wilson interval) and ``partial`` per item; ``score_sd`` across seeds when asked."""
+    per_item = synthetic.item_scores(task, items, outputs)
+    metrics: dict = {name: MeanMetric(values, wilson=name == "score") for name, values in per_item.items()}
+    if with_seed_spread:
+        metrics["score_sd"] = synthetic.seed_spread(task, items, outputs)
+    samples = [{"seed": item.seed, "index": item.index, "context_length": item.context_length,
+                "prompt_tokens": len(item.prompt_ids), "answers": list(item.answers), "output": output,
+                **{name: values[position] for name, values in per_item.items()}}
+               for position, (item, output) in enumerate(zip(items, outputs))]
+    return TaskOutcome(metrics, samples)
 
 
 def _builtin_file(name: str, file_name: str) -> Callable[[EvalSettings], Path]:
