@@ -6,6 +6,7 @@ import time
 
 import click
 
+from retrofit.cliargs import refuse_without
 from retrofit.errors import RetrofitError
 
 MODEL_HELP = "A local model directory, a .gguf file, a hub id (org/name), or the alias smollm2-135m."
@@ -87,6 +88,9 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
     from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding
 
     # bad options fail before the model is loaded
+    refuse_without(click.get_current_context(), {"budget": (sparse_method is not None, "--sparse METHOD")})
+    if not prompt.strip():
+        raise RetrofitError("--prompt is empty: give the text to continue")
     if max_new_tokens <= 0:
         raise RetrofitError(f"--max-new-tokens must be a positive number of tokens, got {max_new_tokens}")
     if temperature < 0:

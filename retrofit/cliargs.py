@@ -78,3 +78,20 @@ def coerce(value: Any, annotation: Any, field: str, what: str = "parameter") -> 
     except ValueError:
         raise RetrofitError(f"{what} {field}={value!r} is invalid: expected {annotation.__name__}") from None
     return value
+
+
+def given(context, name: str) -> bool:
+    """Whether the click parameter ``name`` (its Python name) was set by the user (command line or environment),
+    not left at its default: what tells an option that does nothing in this combination from one never touched."""
+    from click.core import ParameterSource
+
+    return context.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def refuse_without(context, requirements: dict[str, tuple[bool, str]]) -> None:
+    """One-line refusal of options that do nothing here: ``{parameter: (it has what it needs, what it needs)}``;
+    a parameter the user set whose need is missing raises ``"--option needs <what>"``."""
+    for name, (satisfied, needed) in requirements.items():
+        if given(context, name) and not satisfied:
+            option = next(p.opts[0] for p in context.command.params if p.name == name)
+            raise RetrofitError(f"{option} needs {needed}")

@@ -92,7 +92,29 @@ def _resolve_local_or_hub(source: str) -> tuple[str, str | None]:
     looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1 or os.sep != "/" and os.sep in source
     if looks_like_path or not _HUB_ID.match(source):
         raise RetrofitError(f"no such file or directory: {source}")
+    if not _hub_reachable():
+        raise RetrofitError(f"could not fetch {source!r} from the Hugging Face hub: it is not reachable from here "
+                            f"(offline?) and no local file or directory has that name; give a model directory, a "
+                            f".gguf file, or one of: {', '.join(ALIASES)}")
     return source, None  # a hub id
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub can be asked at all: not in offline mode, and its host resolves and accepts a connection
+    (a few seconds at most, where transformers' own retries take 30-40 s to give up). Behind a proxy, assume yes."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.dtype):

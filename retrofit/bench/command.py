@@ -80,7 +80,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.bench.report import markdown_table, variant_notes
     from retrofit.cliargs import parse_lengths
     from retrofit.devices import default_dtype, parse_device, parse_dtype
-    from retrofit.load import load
+    from retrofit.load import ALIASES, load
     from retrofit.model_info import max_model_length
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
@@ -102,6 +102,10 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     else:
         if layers is not None:
             raise RetrofitError("--layers applies to a config name (llama3-8b, qwen2.5-7b, smollm2-135m) only")
+        if "/" not in model_or_config and not Path(model_or_config).expanduser().exists() \
+                and model_or_config not in ALIASES:  # a bare name is meant as a config: no 30 s of hub retries
+            raise RetrofitError(MODEL_CONFIGS.unknown_message(model_or_config)
+                                + "; or a model directory, a .gguf file, or a hub id org/name")
         model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
         source = model_or_config
     build_seconds = time.perf_counter() - built

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from retrofit.cliargs import parse_lengths, parse_pairs
+from retrofit.cliargs import parse_lengths, parse_pairs, refuse_without
 from retrofit.errors import RetrofitError
 
 EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same items; print one Markdown table
@@ -19,7 +19,7 @@ run all the same (its delta of 0 is measured) and its cells read "= dense (by co
 \b
 MODEL: a local model directory, a .gguf file, a hub id, or the alias smollm2-135m.
 \b
-TASKS (comma-separated):
+TASKS (comma-separated; each once: a name given twice is refused):
   wikitext2                 perplexity of wikitext2_test.raw in --data-dir (windows of --seq-len)
   ppl:PATH                  perplexity of any text file
   piqa, arc_easy, hellaswag multiple choice (acc, acc_norm) from --data-dir
@@ -41,6 +41,24 @@ Examples:
   retrofit eval smollm2-135m --tasks niah_single,passkey --context-length 2k,4k \\
       --sparse streaming --budget 512 --json out.json --plot out.png
 """
+
+
+def refuse_unused_options(context, task_names: list[str], settings) -> None:
+    """Options that do nothing for these tasks are refused in one line, not silently ignored."""
+    from retrofit.eval.synthetic import SYNTHETIC_TASKS
+
+    synthetic = any(name in SYNTHETIC_TASKS for name in task_names)
+    perplexity = any(name == "wikitext2" or name.startswith("ppl:") for name in task_names)
+    needs_synthetic = (synthetic, "a synthetic task in --tasks (" + ", ".join(SYNTHETIC_TASKS.names()) + ")")
+    refuse_without(context, {"context_length": needs_synthetic, "seed": needs_synthetic,
+                             "num_seeds": needs_synthetic, "haystack": needs_synthetic,
+                             "seq_len": (perplexity, "a perplexity task in --tasks (wikitext2 or ppl:PATH)")})
+    unused = sorted(set(settings.task_files) - set(task_names))
+    if unused:
+        raise RetrofitError(f"--task-file {unused[0]}=... binds a task that --tasks does not name")
+    for option, value in (("--limit", settings.limit), ("--num-seeds", settings.num_seeds)):
+        if value is not None and value <= 0:
+            raise RetrofitError(f"{option} must be positive, got {value}")
 
 
 def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
@@ -105,6 +123,7 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
                             context_lengths=parse_lengths(context_length, "--context-length"), seed=seed,
                             num_seeds=num_seeds, haystack=haystack, task_files=parse_task_files(task_files))
     task_names = [name.strip() for name in tasks.split(",") if name.strip()]
+    refuse_unused_options(click.get_current_context(), task_names, settings)
     jobs = build_jobs(task_names, settings)
     variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
                                      list(variant_specs))

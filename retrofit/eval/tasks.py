@@ -229,6 +229,9 @@ def build_jobs(task_names: list[str], settings: EvalSettings) -> list[Job]:
     """Validate every name and data file first (before any model is loaded), then build the jobs in order."""
     if not task_names:
         raise RetrofitError("--tasks is empty; choose from: " + ", ".join(TASKS.names()) + ", ppl:PATH")
+    repeated = sorted({name for name in task_names if task_names.count(name) > 1})
+    if repeated:
+        raise RetrofitError(f"--tasks names {', '.join(repeated)} more than once: each task runs once, name it once")
     specs = [resolve_task(name, settings) for name in task_names]
     for name, spec in zip(task_names, specs):
         spec.check(name, settings)
