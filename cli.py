@@ -13,7 +13,8 @@ MODEL_HELP = "A local model directory, a .gguf file, a hub id (org/name), or the
 
 
 class RetrofitGroup(click.Group):
-    """Turns :class:`RetrofitError` into one line on stderr and exit code 2 (click's own usage errors do the same)."""
+    """Bad input of any kind ends in one line on stderr and exit code 2: a :class:`RetrofitError` (retrofit's own
+    checks) and click's usage errors (a missing or malformed option) alike."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -21,6 +22,11 @@ class RetrofitGroup(click.Group):
         except RetrofitError as err:
             click.echo(f"retrofit: error: {err}", err=True)
             ctx.exit(2)
+        except click.UsageError as err:
+            command = err.ctx.command_path if err.ctx is not None else ctx.command_path
+            message = " ".join(err.format_message().split())
+            click.echo(f"retrofit: error: {message} (see: {command} --help)", err=True)
+            ctx.exit(err.exit_code)
 
 
 @click.group(cls=RetrofitGroup, context_settings={"help_option_names": ["-h", "--help"]})
