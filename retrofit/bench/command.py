@@ -74,14 +74,15 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
                   sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
                   engine: str, repeats: int, warmup: int, json_path: Path | None) -> None:
     from retrofit.atomic import write_json
-    from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
+    import torch
+
+    from retrofit.bench.configs import MODEL_CONFIGS, build_random_model, check_fits
     from retrofit.bench.floor import copy_bandwidth
-    from retrofit.bench.measure import SETTLE_STEPS, run_bench
+    from retrofit.bench.measure import run_bench
     from retrofit.bench.report import markdown_table, variant_notes
     from retrofit.cliargs import parse_lengths
     from retrofit.devices import default_dtype, parse_device, parse_dtype
     from retrofit.load import ALIASES, load
-    from retrofit.model_info import max_model_length
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
@@ -97,6 +98,12 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
     built = time.perf_counter()
     if model_or_config in MODEL_CONFIGS:
+        # shapes only (meta tensors): variants, lengths and memory are checked before any weight is allocated
+        skeleton = build_random_model(model_or_config, torch_dtype, torch.device("meta"), layers)
+        for variant in variants:
+            variant.describe(skeleton)
+        check_lengths(skeleton, context_list, decode_tokens)
+        check_fits(skeleton, torch_device, torch_dtype)
         model, tokenizer = build_random_model(model_or_config, torch_dtype, torch_device, layers), None
         source = f"config {model_or_config} (random weights)"
     else:
@@ -110,12 +117,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
         source = model_or_config
     build_seconds = time.perf_counter() - built
     details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run
-    limit = max_model_length(model)
-    new_tokens = decode_tokens + SETTLE_STEPS + 1
-    for context in context_list:
-        if context + new_tokens > limit:
-            raise RetrofitError(f"--context {context} + {new_tokens} new tokens is over the model's limit of "
-                                f"{limit} positions (max_position_embeddings)")
+    check_lengths(model, context_list, decode_tokens)
     bandwidth = copy_bandwidth(torch_device)
     points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens, engine=engine,
                        repeats=repeats, warmup=warmup, bandwidth=bandwidth)
@@ -128,9 +130,20 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
               "variant_details": {name: facts for name, facts in details.items() if facts},
               "versions": library_versions()}
     if torch_device.type == "cuda":
-        import torch
-
         config["gpu"] = torch.cuda.get_device_name(torch_device)
     if json_path is not None:
         write_json(json_path, {"results": [point.to_json() for point in points], "config": config})
     click.echo(markdown_table(points, variant_notes(details), bandwidth))
+
+
+def check_lengths(model, contexts: list[int], decode_tokens: int) -> None:
+    """RetrofitError unless every prompt length plus the new tokens fits the model's positions."""
+    from retrofit.bench.measure import SETTLE_STEPS
+    from retrofit.model_info import max_model_length
+
+    limit = max_model_length(model)
+    new_tokens = decode_tokens + SETTLE_STEPS + 1
+    for context in contexts:
+        if context + new_tokens > limit:
+            raise RetrofitError(f"--context {context} + {new_tokens} new tokens is over the model's limit of "
+                                f"{limit} positions (max_position_embeddings)")

@@ -1,0 +1,163 @@
+"""Every bad input a user can type gets one line on stderr and exit code 2, never a traceback: one table of them,
+run through the real `retrofit` command (click's runner, in process). The table is the place to add the next one.
+
+A row is (arguments, a fragment the one line must contain). ``{name}`` in an argument is a bad file or directory
+made once for the module (see ``bad_files``); rows run in table order and none needs a GPU or the network.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from _cli_runner import run
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hybrid_v1_gdn"
+EVAL = ["--data-dir", "{eval}"]
+
+ROWS = [
+    # --- inspect: paths that are not models, damaged checkpoints, devices and dtypes
+    (["inspect", "{missing}"], "no such file or directory"),
+    (["inspect", "{empty_dir}"], "is not a model directory (no config.json in it)"),
+    (["inspect", "{text_file}"], "is not a model"),
+    (["inspect", "{bad_json}"], "config.json: not valid JSON"),
+    (["inspect", "{json_list}"], "config.json: expected a JSON object"),
+    (["inspect", "{truncated}"], "model.safetensors: truncated"),
+    (["inspect", "{random_weights}"], "model.safetensors: not a safetensors file"),
+    (["inspect", "{random_gguf}"], "not a GGUF file"),
+    (["inspect", "{missing}.gguf"], "no such GGUF file"),
+    (["inspect", "{no_tokenizer}"], "cannot load the hybrid checkpoint"),
+    (["inspect", "nobody-here/no-such-model"], "could not fetch 'nobody-here/no-such-model'"),
+    (["inspect", "smollm2-135m", "--dtype", "float8"], "unknown dtype 'float8'"),
+    (["inspect", "smollm2-135m", "--device", "tpu"], "unknown device 'tpu'"),
+    (["inspect", "smollm2-135m", "--device", "cuda"], "CUDA is not available"),
+    (["inspect"], "Missing argument 'MODEL'"),
+    (["nosuchverb"], "No such command 'nosuchverb'"),
+    # --- generate: empty prompts, impossible lengths, options that contradict or do nothing
+    (["generate", "smollm2-135m", "--prompt", ""], "--prompt is empty"),
+    (["generate", "smollm2-135m", "--prompt", "   "], "--prompt is empty"),
+    (["generate", "smollm2-135m"], "Missing option '--prompt'"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be a positive"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "many"], "Invalid value for '--max-new-tokens'"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "9000"], "8192"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--temperature", "-1"], "--temperature must be 0"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--top-p", "0.9"], "--top-p only apply to sampling"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--seed", "3"], "--seed only apply to sampling"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--temperature", "1", "--top-p", "1.5"], "top_p"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--budget", "64"], "--budget needs --sparse METHOD"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse-arg", "page_size=4"], "--sparse-arg needs --sparse"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "qest"], "did you mean 'quest'"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "quest", "--budget", "0"], "budget=0 is invalid"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "quest", "--budget", "1000", "--sparse-arg",
+      "page_size=48"], "page_size=48 is invalid: expected a divisor of budget=1000"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "quest", "--sparse-arg", "page_size"],
+     "'page_size' is not of the form key=value"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "quest", "--sparse-arg", "colour=red"],
+     "unknown parameter 'colour' for sparse method 'quest'"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "seer"], "gate_path=None is invalid"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--sparse", "seer", "--sparse-arg", "gate_path={missing}"],
+     "does not exist"),
+    (["generate", "{truncated}", "--prompt", "hi"], "model.safetensors: truncated"),
+    # --- eval: task names, data files, variants and options no task uses
+    (["eval", "smollm2-135m", "--tasks", "piqa,piqa", *EVAL], "--tasks names piqa more than once"),
+    (["eval", "smollm2-135m", "--tasks", "pika", *EVAL], "did you mean 'piqa'"),
+    (["eval", "smollm2-135m", "--tasks", ",", *EVAL], "--tasks is empty"),
+    (["eval", "smollm2-135m", "--tasks", "piqa"], "pass --data-dir DIR"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", "{empty_dir}"], "data file not found"),
+    (["eval", "smollm2-135m", "--tasks", "ppl:{missing}"], "data file not found"),
+    (["eval", "smollm2-135m", "--tasks", "ppl:{random_text}"], "not UTF-8 text"),
+    (["eval", "smollm2-135m", "--tasks", "ppl:{blank_text}"], "is empty"),
+    (["eval", "smollm2-135m", "--tasks", "ppl:{control_text}"], "not text"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--context-length", "2k", *EVAL], "--context-length needs a synthetic"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--num-seeds", "3", *EVAL], "--num-seeds needs a synthetic"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--seq-len", "512", *EVAL], "--seq-len needs a perplexity task"),
+    (["eval", "smollm2-135m", "--tasks", "niah_single", "--context-length", "2x"], "--context-length: expected"),
+    (["eval", "smollm2-135m", "--tasks", "niah_single", "--num-seeds", "0"], "--num-seeds must be positive"),
+    (["eval", "smollm2-135m", "--tasks", "niah_single", "--haystack", "{missing}"], "haystack file"),
+    (["eval", "smollm2-135m", "--tasks", "niah_single", "--haystack", "{random_text}"], "not UTF-8 text"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--limit", "0", *EVAL], "--limit must be a positive"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--batch-size", "0", *EVAL], "--batch-size must be positive"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--task-file", "foo={missing}", *EVAL], "--task-file foo"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--budget", "256", *EVAL], "--budget needs --sparse METHOD"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--sparse", "quest", *EVAL], "--sparse needs at least one --budget"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{missing}", *EVAL], "no such directory"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{dense_dir}", *EVAL], "not a hybrid checkpoint"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{truncated}", *EVAL], "model.safetensors: truncated"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--variant", "quest:page_size=4", *EVAL], "need an integer budget"),
+    (["eval", "{truncated}", "--tasks", "piqa", *EVAL], "model.safetensors: truncated"),
+    (["eval", "smollm2-135m", "--tasks", "niah_single", "--context-length", "20000"], "over the model's limit"),
+    # --- bench: configs, lengths, engines, variants
+    (["bench", "llama3-7b"], "unknown model config 'llama3-7b' (did you mean 'llama3-8b'?)"),
+    (["bench", "llama3-8b", "--context", "0"], "lengths must be positive"),
+    (["bench", "llama3-8b", "--context", "lots"], "--context: expected comma-separated token counts"),
+    (["bench", "llama3-8b", "--batch", "0"], "lengths must be positive"),
+    (["bench", "llama3-8b", "--decode-tokens", "0"], "--decode-tokens must be positive"),
+    (["bench", "llama3-8b", "--repeats", "0"], "--repeats must be positive"),
+    (["bench", "llama3-8b", "--engine", "vllm"], "Invalid value for '--engine'"),
+    (["bench", "llama3-8b", "--variant", "convert:gdn:every:0"], "K must be >= 1"),
+    (["bench", "llama3-8b", "--variant", "convert:gdnn:every:4"], "did you mean 'gdn'"),
+    (["bench", "smollm2-135m", "--layers", "0"], "--layers must be in 1..30"),
+    (["bench", "smollm2-135m", "--layers", "2", "--context", "9000"], "over the model's limit"),
+    (["bench", "{dense_dir}", "--layers", "2"], "--layers applies to a config name"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, eval_data_dir, smollm2):
+    """name -> path of each bad file or directory the table names (``{eval}`` is the real evaluation folder,
+    ``{dense_dir}`` the real SmolLM2 directory: a good dense model, but not a hybrid)."""
+    from retrofit.load import reference_checkpoint
+
+    root = tmp_path_factory.mktemp("bad")
+    paths = {"missing": root / "does-not-exist", "eval": eval_data_dir, "dense_dir": reference_checkpoint("smollm2-135m")}
+    (root / "empty").mkdir()
+    paths["empty_dir"] = root / "empty"
+    paths["text_file"] = root / "notes.txt"
+    paths["text_file"].write_text("not a model\n")
+
+    def fixture_copy(name: str) -> Path:
+        target = root / name
+        shutil.copytree(FIXTURE, target)
+        return target
+
+    paths["no_tokenizer"] = fixture_copy("no_tokenizer")  # a sound hybrid, saved without its tokenizer
+    paths["bad_json"] = fixture_copy("bad_json")
+    (paths["bad_json"] / "config.json").write_text('{"model_type": "llama",,}')
+    paths["json_list"] = fixture_copy("json_list")
+    (paths["json_list"] / "config.json").write_text(json.dumps([1, 2]))
+    paths["truncated"] = fixture_copy("truncated")
+    weights = paths["truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    paths["random_weights"] = fixture_copy("random_weights")
+    (paths["random_weights"] / "model.safetensors").write_bytes(os.urandom(200_000))
+    paths["random_gguf"] = root / "model.gguf"
+    paths["random_gguf"].write_bytes(os.urandom(100_000))
+    paths["random_text"] = root / "random.txt"
+    paths["random_text"].write_bytes(b"\xff\xfe" + os.urandom(50_000))
+    paths["blank_text"] = root / "blank.txt"
+    paths["blank_text"].write_text("  \n\n  ")
+    paths["control_text"] = root / "control.txt"
+    paths["control_text"].write_text("\x01\x02\x03\x04" * 1000)
+    return paths
+
+
+@pytest.mark.parametrize("args, fragment", ROWS, ids=[" ".join(args)[:60] for args, _ in ROWS])
+def test_bad_input_is_one_line_and_exit_2(bad_files, args, fragment):
+    argv = [part.format(**bad_files) for part in args]
+    result = run(*argv)
+    assert "Traceback" not in result.output + result.stderr, result.stderr
+    assert result.exit_code == 2, (result.exit_code, result.output[-2000:], result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert fragment.format(**bad_files) in lines[0], lines[0]
+
+
+def test_the_table_has_the_rows_of_every_verb():
+    # the table is the one place bad inputs are listed: every verb users type has rows in it
+    verbs = {args[0] for args, _ in ROWS}
+    assert {"inspect", "generate", "eval", "bench"} <= verbs
+    assert len(ROWS) >= 64
