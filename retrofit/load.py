@@ -78,6 +78,13 @@ def _ensure_pad_token(tokenizer) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+def check_source(source: str | os.PathLike) -> None:
+    """RetrofitError (one line) unless ``source`` names something :func:`load` can load, without loading it: an
+    alias, a sound local model directory, an existing .gguf file, or a hub id while the hub is reachable."""
+    if str(source) not in ALIASES:
+        _resolve_local_or_hub(str(source))
+
+
 def _resolve_local_or_hub(source: str) -> tuple[str, str | None]:
     path = Path(source).expanduser()
     if path.suffix == ".gguf":

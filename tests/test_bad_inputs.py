@@ -103,6 +103,15 @@ ROWS = [
     (["bench", "smollm2-135m", "--layers", "0"], "--layers must be in 1..30"),
     (["bench", "smollm2-135m", "--layers", "2", "--context", "9000"], "over the model's limit"),
     (["bench", "{dense_dir}", "--layers", "2"], "--layers applies to a config name"),
+    # --- lm-eval (lm-evaluation-harness's command line with retrofit's model): checked before lm-eval starts
+    (["lm-eval", "--model", "retrofit", "--model_args", "pretrained={missing}", "--tasks", "retrofit_piqa"],
+     "no such file or directory"),
+    (["lm-eval", "--model", "retrofit", "--model_args", "sparse=quest", "--tasks", "retrofit_piqa"],
+     "needs --model_args pretrained=MODEL"),
+    (["lm-eval", "--model", "retrofit", "--model_args", "pretrained=smollm2-135m,sparse=qest,budget=64", "--tasks",
+      "retrofit_piqa"], "did you mean 'quest'"),
+    (["lm-eval", "--model", "retrofit", "--model_args", "pretrained=smollm2-135m", "--tasks", "retrofit_piqa"],
+     "--metadata data_dir="),
 ]
 
 
@@ -159,5 +168,5 @@ def test_bad_input_is_one_line_and_exit_2(bad_files, args, fragment):
 def test_the_table_has_the_rows_of_every_verb():
     # the table is the one place bad inputs are listed: every verb users type has rows in it
     verbs = {args[0] for args, _ in ROWS}
-    assert {"inspect", "generate", "eval", "bench"} <= verbs
+    assert {"inspect", "generate", "eval", "bench", "lm-eval"} <= verbs
     assert len(ROWS) >= 64

@@ -73,6 +73,9 @@ def check_before_loading(args) -> None:
 
         if "pretrained" not in model_args:
             raise RetrofitError("--model retrofit needs --model_args pretrained=MODEL (an alias, a directory, a .gguf)")
+        from retrofit.load import check_source
+
+        check_source(model_args["pretrained"])
         retrofit_keys = {"pretrained", "sparse", "budget", "dtype", "device"}
         sparse_decoding_variant(model_args.get("sparse"), model_args.get("budget"),
                                 {k: v for k, v in model_args.items() if k not in retrofit_keys | _HFLM_OPTIONS})
@@ -96,7 +99,11 @@ def run_lm_eval(argv: list[str]) -> None:
     include_shipped_tasks(args)
     check_before_loading(args)
     setup_logging()
-    cli.execute(args)
+    try:
+        cli.execute(args)
+    except (ValueError, KeyError, FileNotFoundError) as error:  # lm-eval's own refusals: unknown tasks, bad options
+        message = " ".join(str(error).split()) or type(error).__name__
+        raise RetrofitError(f"lm-eval: {message}") from None
 
 
 @click.command("lm-eval", help=LM_EVAL_HELP, add_help_option=False,
