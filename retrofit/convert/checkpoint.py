@@ -7,6 +7,7 @@ step number, see :class:`retrofit.convert.data.BatchSampler`).
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -25,13 +26,16 @@ def work_dir_for(out: str | os.PathLike) -> Path:
 
 
 def rng_state() -> dict:
+    """Every random generator's state as tensors and plain values (what ``torch.load(weights_only=True)`` reads)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss),
+                          float(cached_gaussian))
     except ImportError:
         pass
     return state
@@ -39,13 +43,19 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    random.setstate(_as_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+
+
+def _as_tuples(value):
+    """``random.setstate`` wants the nested tuples ``getstate`` gave (a checkpoint may hold them as lists)."""
+    return tuple(_as_tuples(item) for item in value) if isinstance(value, (list, tuple)) else value
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -111,7 +121,17 @@ def load_train_state(work_dir: Path, fingerprint: dict) -> dict | None:
     path = work_dir / STATE_FILE
     if not path.is_file():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # tensors and plain values only: a checkpoint that holds anything else is refused, never run
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = " ".join(str(error).split())[:160]
+        raise RetrofitError(f"{path}: refusing to load a training checkpoint that holds more than tensors and plain "
+                            f"values ({reason}); start again without --resume") from None
+    except (RuntimeError, EOFError, OSError) as error:
+        raise RetrofitError(f"{path}: not a readable training checkpoint ({type(error).__name__}); start again "
+                            "without --resume") from None
+    if not isinstance(state, dict):
+        raise RetrofitError(f"{path}: not a retrofit training checkpoint; start again without --resume")
     if state.get("fingerprint") != fingerprint:
         saved = state.get("fingerprint", {})
         diff = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
