@@ -56,7 +56,7 @@ def test_eval_writes_json_and_prints_the_table(eval_data_dir, tmp_path):
         # stderr of 3 outcomes of 0/1: sqrt(p (1 - p) / (n - 1)), 0 when all agree
         p = metrics["acc"]
         assert metrics["acc_stderr"] == pytest.approx((p * (1 - p) / 2) ** 0.5, rel=1e-12, abs=1e-15)
-    assert payload["units"]["fraction"] == ["acc", "acc_norm", "partial", "score", "score_sd"]
+    assert payload["units"]["fraction"] == ["acc", "acc_norm", "agree", "partial", "score", "score_sd"]
     assert payload["config"]["limit"] == 3 and payload["config"]["dtype"] == "float32"
     assert payload["throughput"]["dense"]["tokens_per_s"] > 0
     assert not list(out.parent.glob(".*.tmp"))  # the temporary file was renamed, not left behind

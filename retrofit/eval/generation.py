@@ -1,4 +1,5 @@
-"""Batched greedy generation with LEFT padding (the long-context synthetic tasks decode through it).
+"""Batched greedy generation with LEFT padding (the long-context synthetic tasks and generation fidelity decode
+through it).
 
 It runs ``retrofit.generate`` (the static-cache engine) on the model as the variant opened it, so a variant that
 patches decoding (inside ``sparse_decoding`` the engine drives the session's static sparse cache) is the path that is
@@ -17,33 +18,44 @@ from retrofit.model_info import model_device
 
 
 @torch.no_grad()
-def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
-                    desc: str = "generate", throughput: Throughput | None = None) -> list[str]:
-    """Greedy continuations of token-id ``prompts``, decoded without special tokens.
+def greedy_token_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
+                     desc: str = "generate", throughput: Throughput | None = None,
+                     stop_at_eos: bool = True) -> list[list[int]]:
+    """Greedy new token ids after each of the token-id ``prompts``, in the order of ``prompts``.
 
     Rows of a batch are left-padded to the longest prompt with ``attention_mask`` zeros on the padding (positions
-    count real tokens only). Prompts are grouped by length to keep padding small; the output order is that of
-    ``prompts``.
+    count real tokens only); prompts are grouped by length to keep padding small. With ``stop_at_eos`` a row ends at
+    the model's end-of-sequence token (its list then holds the pad token after it, up to the batch's longest row);
+    without, every row gets exactly ``max_new_tokens`` tokens, end tokens included as the model chose them.
     """
     device = model_device(model)
     pad = pad_token_id(tokenizer, model)
+    eos = eos_token_ids(model, tokenizer) if stop_at_eos else []
     order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
-    outputs: list[str | None] = [None] * len(prompts)
+    outputs: list[list[int] | None] = [None] * len(prompts)
     progress = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
     for start in range(0, len(order), batch_size):
         indices = order[start:start + batch_size]
         input_ids, attention_mask = left_padded([prompts[index] for index in indices], pad, device)
         began = time.perf_counter()
-        generated = generate(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos_token_ids(model, tokenizer), pad_token_id=pad)
+        generated = generate(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=pad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        new_tokens = generated[:, input_ids.shape[1]:]
+        new_tokens = generated[:, input_ids.shape[1]:]  # [rows, <= max_new_tokens]
         if throughput is not None:
-            produced = int((new_tokens != pad).sum())
+            produced = int((new_tokens != pad).sum()) if stop_at_eos else new_tokens.numel()
             throughput.add(Throughput(int(attention_mask.sum()) + produced, time.perf_counter() - began))
         for slot, index in enumerate(indices):
-            outputs[index] = tokenizer.decode(new_tokens[slot].tolist(), skip_special_tokens=True)
+            outputs[index] = new_tokens[slot].tolist()
         progress.update(len(indices))
     progress.close()
     return outputs  # type: ignore[return-value]
+
+
+def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
+                    desc: str = "generate", throughput: Throughput | None = None) -> list[str]:
+    """Greedy continuations of token-id ``prompts`` (ending at the end-of-sequence token), decoded without special
+    tokens, in the order of ``prompts`` (batching: :func:`greedy_token_ids`)."""
+    token_ids = greedy_token_ids(model, tokenizer, prompts, max_new_tokens, batch_size, desc, throughput)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]

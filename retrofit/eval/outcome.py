@@ -9,8 +9,9 @@ JSON names (``results[variant][task]``), lm-evaluation-harness style:
 - for every variant but the first: ``M_delta`` (variant - dense), ``M_delta_stderr``, ``M_delta_ci95_low``,
   ``M_delta_ci95_high`` (paired on the same items; forms in :mod:`retrofit.eval.stats`).
 
-Units, one per kind: ``acc``, ``acc_norm``, ``score``, ``partial``, ``score_sd`` are fractions in [0, 1] (the
-table shows percent); ``ppl`` is a perplexity; deltas are in the metric's unit.
+Units, one per kind: ``acc``, ``acc_norm``, ``score``, ``partial``, ``score_sd``, ``agree`` are fractions in [0, 1]
+(the table shows percent); ``ppl`` is a perplexity; ``agree_prefix`` is a number of tokens; deltas are in the
+metric's unit.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from typing import Union
 
 from retrofit.eval import stats
 
-FRACTION_METRICS = frozenset({"acc", "acc_norm", "score", "partial", "score_sd"})
-UNITS = {"fraction": sorted(FRACTION_METRICS), "perplexity": ["ppl"]}
+FRACTION_METRICS = frozenset({"acc", "acc_norm", "score", "partial", "score_sd", "agree"})
+TOKEN_METRICS = frozenset({"agree_prefix"})
+UNITS = {"fraction": sorted(FRACTION_METRICS), "perplexity": ["ppl"], "tokens": sorted(TOKEN_METRICS)}
 _DERIVED_SUFFIXES = ("_stderr", "_ci95_low", "_ci95_high", "_delta", "_delta_stderr", "_delta_ci95_low",
                      "_delta_ci95_high")
 

@@ -2,7 +2,8 @@
 columns (dense first); each value with its uncertainty, each variant's value with its paired delta to dense and that
 delta's 95% interval, marked ``*`` when the interval excludes zero; a last row of tokens/s with the speed ratio.
 
-Fractions (``acc``, ``acc_norm``, ``score``, ``partial``, ``score_sd``) are shown in percent, ``ppl`` as is. A cell
+Fractions (``acc``, ``acc_norm``, ``score``, ``partial``, ``score_sd``, ``agree``) are shown in percent, ``ppl``
+and token counts (``agree_prefix``) as they are. A cell
 that equals dense by construction (a sparse variant on a task scored by forward passes alone) reads "= dense (by
 construction)" instead of a delta of 0 when every delta there is exactly 0, as it must be; otherwise its numbers are
 shown with "≠ dense!" (the patch changed a forward pass it should not touch). tokens/s = tokens run through the model (non-pad prompt and generated
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 
 from retrofit.eval import stats
-from retrofit.eval.outcome import FRACTION_METRICS, is_primary
+from retrofit.eval.outcome import FRACTION_METRICS, TOKEN_METRICS, is_primary
 from retrofit.eval.runner import EvalReport
 
 LEGEND = ("value ± stderr; [low, high] = 95% interval (ppl: bootstrap over windows, score: Wilson); "
@@ -27,14 +28,16 @@ def shown_value(metric: str, value: float) -> float:
 
 
 def metric_label(task: str, metric: str) -> str:
-    return f"{task} {metric} (%)" if metric in FRACTION_METRICS else f"{task} {metric}"
+    if metric in FRACTION_METRICS:
+        return f"{task} {metric} (%)"
+    return f"{task} {metric} (tokens)" if metric in TOKEN_METRICS else f"{task} {metric}"
 
 
 def _format(metric: str, value: float | None, signed: bool = False) -> str:
     if value is None or math.isnan(value):
         return "nan"
     shown = shown_value(metric, value)
-    digits = 2 if metric in FRACTION_METRICS else 3
+    digits = 2 if metric in FRACTION_METRICS else 1 if metric in TOKEN_METRICS else 3
     if abs(shown) >= 1000:
         digits = 1
     return f"{shown:+.{digits}f}" if signed else f"{shown:.{digits}f}"

@@ -3,8 +3,10 @@ long-context tasks). Items are prepared once, before any variant runs, so every 
 
 Names: ``wikitext2`` (``wikitext2_test.raw`` in ``--data-dir``), ``ppl:PATH`` (perplexity of any text file),
 ``piqa``, ``arc_easy``, ``hellaswag``, ``lambada``, a name bound with ``--task-file NAME=PATH`` (multiple-choice
-jsonl), and the synthetic tasks ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt``, ``cwe``, ``fwe``,
-``passkey`` (one result per ``--context-length``, keyed ``TASK@LENGTH``).
+jsonl), the synthetic tasks ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt``, ``cwe``, ``fwe``,
+``passkey`` (one result per ``--context-length``, keyed ``TASK@LENGTH``), and ``fidelity`` / ``fidelity:PATH``
+(greedy tokens after prompts cut from ``wikitext2_test.raw`` or any text file, compared with dense's:
+:mod:`retrofit.eval.fidelity`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from retrofit.errors import RetrofitError
-from retrofit.eval import lambada, multiple_choice, perplexity, synthetic
+from retrofit.eval import fidelity, lambada, multiple_choice, perplexity, synthetic
 from retrofit.eval.generation import greedy_generate
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.outcome import MeanMetric, TaskOutcome
@@ -88,6 +90,9 @@ class TaskSpec:
 
 
 TASKS: Registry[TaskSpec] = Registry("task")
+# The file each built-in task reads from --data-dir.
+DATA_FILES = {"wikitext2": "wikitext2_test.raw", "fidelity": "wikitext2_test.raw", "piqa": "piqa.jsonl",
+              "arc_easy": "arc_easy.jsonl", "hellaswag": "hellaswag_val.txt.bz2", "lambada": "lambada_openai.jsonl"}
 
 
 def _perplexity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
@@ -107,6 +112,24 @@ def _perplexity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
             return perplexity.perplexity_outcome(nlls, settings.seq_len)
 
         return [Job(task, run, prepare, prefill_only=True)]
+    return jobs
+
+
+def _fidelity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
+    def jobs(task: str, settings: EvalSettings) -> list[Job]:
+        path = path_of(settings)
+        run = fidelity.FidelityJob([], task)
+
+        def prepare(model, tokenizer):
+            needed = fidelity.PROMPT_TOKENS + fidelity.NEW_TOKENS
+            if needed > max_model_length(model):
+                raise RetrofitError(f"task {task}: a prompt of {fidelity.PROMPT_TOKENS} tokens and "
+                                    f"{fidelity.NEW_TOKENS} new ones are over the model's limit of "
+                                    f"{max_model_length(model)} positions")
+            run.prompts = fidelity.cut_prompts(tokenizer, perplexity.read_text(path),
+                                               settings.limit or fidelity.DEFAULT_PROMPTS)
+
+        return [Job(task, run, prepare)]
     return jobs
 
 
@@ -174,46 +197,47 @@ def _builtin_file(name: str, file_name: str) -> Callable[[EvalSettings], Path]:
 
 
 def _register_builtins() -> None:
-    files = {"wikitext2": "wikitext2_test.raw", "piqa": "piqa.jsonl", "arc_easy": "arc_easy.jsonl",
-             "hellaswag": "hellaswag_val.txt.bz2", "lambada": "lambada_openai.jsonl"}
-
     def check_file(name):
-        return lambda task, settings: settings.data_file(task, files[name])
+        return lambda task, settings: settings.data_file(task, DATA_FILES[name])
 
     TASKS.register("wikitext2")(TaskSpec("wikitext2", _perplexity_jobs("wikitext2", _builtin_file(
-        "wikitext2", files["wikitext2"])), check_file("wikitext2")))
+        "wikitext2", DATA_FILES["wikitext2"])), check_file("wikitext2")))
     for name in ("piqa", "arc_easy"):
         TASKS.register(name)(TaskSpec(name, _multiple_choice_jobs(multiple_choice.load_jsonl, _builtin_file(
-            name, files[name])), check_file(name)))
+            name, DATA_FILES[name])), check_file(name)))
     TASKS.register("hellaswag")(TaskSpec("hellaswag", _multiple_choice_jobs(multiple_choice.load_hellaswag,
-                                         _builtin_file("hellaswag", files["hellaswag"])), check_file("hellaswag")))
+                                         _builtin_file("hellaswag", DATA_FILES["hellaswag"])), check_file("hellaswag")))
     TASKS.register("lambada")(TaskSpec("lambada", _lambada_jobs, check_file("lambada")))
+    TASKS.register("fidelity")(TaskSpec("fidelity", _fidelity_jobs("fidelity", _builtin_file(
+        "fidelity", DATA_FILES["fidelity"])), check_file("fidelity")))
     for name in synthetic.SYNTHETIC_TASKS.names():
         TASKS.register(name)(TaskSpec(name, _synthetic_jobs))
 
 
 _register_builtins()
+# Task names that carry their text file (``ppl:PATH``, ``fidelity:PATH``): prefix -> its jobs.
+FILE_TASKS = {"ppl:": _perplexity_jobs, "fidelity:": _fidelity_jobs}
+
+
+def _named_file(task: str, path: Path) -> Callable[[EvalSettings], Path]:
+    """The path of a file named on the command line (``ppl:PATH``, ``--task-file NAME=PATH``), checked to exist."""
+    def path_of(settings: EvalSettings) -> Path:
+        if not path.is_file():
+            raise RetrofitError(f"task {task}: data file not found: {path}")
+        return path
+
+    return path_of
 
 
 def resolve_task(name: str, settings: EvalSettings) -> TaskSpec:
-    """The TaskSpec for ``name``: ``ppl:PATH``, a ``--task-file`` name, or a registered task (did-you-mean)."""
-    if name.startswith("ppl:"):
-        path = Path(name[len("ppl:"):])
-
-        def path_of(settings: EvalSettings) -> Path:
-            if not path.is_file():
-                raise RetrofitError(f"task {name}: data file not found: {path}")
-            return path
-
-        return TaskSpec(name, _perplexity_jobs(name, path_of), lambda task, settings: path_of(settings) and None)
+    """The TaskSpec for ``name``: ``ppl:PATH``, ``fidelity:PATH``, a ``--task-file`` name, or a registered task
+    (did-you-mean)."""
+    for prefix, jobs_of in FILE_TASKS.items():
+        if name.startswith(prefix):
+            path_of = _named_file(name, Path(name[len(prefix):]))
+            return TaskSpec(name, jobs_of(name, path_of), lambda task, settings: path_of(settings) and None)
     if name in settings.task_files:
-        path = settings.task_files[name]
-
-        def task_file(settings: EvalSettings) -> Path:
-            if not path.is_file():
-                raise RetrofitError(f"task {name}: data file not found: {path}")
-            return path
-
+        task_file = _named_file(name, settings.task_files[name])
         return TaskSpec(name, _multiple_choice_jobs(multiple_choice.load_jsonl, task_file),
                         lambda task, settings: task_file(settings) and None)
     if name not in TASKS:
@@ -221,8 +245,22 @@ def resolve_task(name: str, settings: EvalSettings) -> TaskSpec:
         close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise RetrofitError(f"unknown task {name!r}{hint}; choose from: {', '.join(choices)}, ppl:PATH, "
-                            "or a name bound with --task-file NAME=PATH")
+                            "fidelity:PATH, or a name bound with --task-file NAME=PATH")
     return TASKS.get(name)
+
+
+def task_data_files(name: str, settings: EvalSettings) -> list[Path]:
+    """The files task ``name`` reads (none for the synthetic tasks without ``--haystack``), checked to exist:
+    what a conversion must not have calibrated on."""
+    resolve_task(name, settings).check(name, settings)
+    prefix = next((prefix for prefix in FILE_TASKS if name.startswith(prefix)), None)
+    if prefix is not None:
+        return [Path(name[len(prefix):])]
+    if name in settings.task_files:
+        return [settings.task_files[name]]
+    if name in DATA_FILES:
+        return [settings.data_file(name, DATA_FILES[name])]
+    return [settings.haystack] if settings.haystack is not None else []
 
 
 def build_jobs(task_names: list[str], settings: EvalSettings) -> list[Job]:
