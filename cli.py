@@ -127,8 +127,9 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 
 # Commands that live beside their feature register here, once they work.
 from retrofit.bench.command import bench_command  # noqa: E402
-from retrofit.convert.command import convert_command, select_command  # noqa: E402
+from retrofit.convert.command import select_command  # noqa: E402
 from retrofit.eval.command import eval_command  # noqa: E402
+from retrofit.eval.convert_command import convert_command  # noqa: E402  (the conversion, then its report)
 from retrofit.harness.command import lm_eval_command, lm_eval_task_command  # noqa: E402
 from retrofit.sparse.methods.seer.command import gates_command  # noqa: E402
 

@@ -18,7 +18,8 @@ resume=()
 [ -d "$hyb.train" ] && resume=(--resume)
 if [ ! -f "$hyb/config.json" ]; then
   start=$(date +%s)
-  retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "$hyb" --device cuda \
+  # --no-report: the evaluations below are the BENCHMARKS.md protocol (the conversion report would add its own)
+  retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "$hyb" --device cuda --no-report \
     --max-minutes "$minutes" "${resume[@]}" "$@" 2>&1 | tr '\r' '\n' | grep -v "%|" | tee "$out/convert_$name.log"
   code=${PIPESTATUS[0]}
   echo "convert exit $code after $(( $(date +%s) - start )) s" | tee -a "$out/convert_$name.log"

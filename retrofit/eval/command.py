@@ -27,6 +27,12 @@ TASKS (comma-separated; each once: a name given twice is refused):
   NAME                      a multiple-choice jsonl bound with --task-file NAME=PATH
   niah_single, niah_multikey, niah_multivalue, vt, cwe, fwe, passkey
                             long-context synthetic tasks at each --context-length
+  fidelity, fidelity:PATH   how many of 128 greedy tokens after 16 prompts cut from
+                            wikitext2_test.raw (or PATH) agree with dense's
+\b
+--report instead of --tasks: the conversion report's rows (as `retrofit convert` prints them):
+  wikitext2, piqa, arc_easy, passkey and niah_single at 2k,4k,8k with 4 seeds (--context-length,
+  --num-seeds to change), fidelity; float32 unless --dtype
 \b
 VARIANTS (dense always runs first):
   --sparse quest --budget 256 --budget 1024     two variants: quest@256, quest@1024
@@ -40,6 +46,7 @@ Examples:
       --json out.json --log-samples samples.jsonl
   retrofit eval smollm2-135m --tasks niah_single,passkey --context-length 2k,4k \\
       --sparse streaming --budget 512 --json out.json --plot out.png
+  retrofit eval smollm2-135m --hybrid out/smollm2-gdn --report --data-dir data/eval --json report.json
 """
 
 
@@ -61,6 +68,20 @@ def refuse_unused_options(context, task_names: list[str], settings) -> None:
             raise RetrofitError(f"{option} must be positive, got {value}")
 
 
+def report_options(context, data_dir: Path | None, seq_len: int, context_length: str,
+                   num_seeds: int) -> tuple[str, str, int]:
+    """``--report``: (tasks, context lengths, seeds) of the conversion report; --context-length and --num-seeds
+    keep the values the user gave. --tasks beside it is refused."""
+    from retrofit.cliargs import given
+    from retrofit.eval.conversion_report import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SEEDS, EVAL_OPTIONS, ReportSettings
+
+    if given(context, "tasks"):
+        raise RetrofitError("--report chooses the tasks: drop --tasks, or drop --report and name every task")
+    settings = ReportSettings(data_dir=data_dir, seq_len=seq_len, option=EVAL_OPTIONS)
+    lengths = context_length if given(context, "context_length") else ",".join(map(str, DEFAULT_CONTEXT_LENGTHS))
+    return ",".join(settings.task_names()), lengths, num_seeds if given(context, "num_seeds") else DEFAULT_SEEDS
+
+
 def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
     files = parse_pairs(pairs, "--task-file")
     for name, path in files.items():
@@ -71,7 +92,9 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 
 @click.command("eval", help=EVAL_HELP, short_help="Accuracy of dense vs variants (ppl, multiple choice, RULER-style).")
 @click.argument("model")
-@click.option("--tasks", "tasks", required=True, help="Comma-separated task names (see above).")
+@click.option("--tasks", "tasks", default=None, help="Comma-separated task names (see above).")
+@click.option("--report", "report", is_flag=True,
+              help="The conversion report's tasks, context lengths and seeds instead of --tasks (see above).")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="Folder with the evaluation files.")
 @click.option("--task-file", "task_files", multiple=True, metavar="NAME=PATH",
               help="Bind NAME to a multiple-choice jsonl file ({query, choices, gold} per line).")
@@ -87,7 +110,8 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
               help="Text file whose sentences replace the noise haystack of the synthetic tasks.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Rows per forward / generate call.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA]")
+@click.option("--dtype", default=None,
+              help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA; float32 with --report]")
 @click.option("--sparse", "sparse_methods", multiple=True, metavar="METHOD",
               help="Sparse-decoding method (repeatable); one variant per --budget.")
 @click.option("--budget", "budgets", multiple=True, type=int, metavar="N", help="Token budget (repeatable).")
@@ -100,14 +124,15 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG chart here.")
 @click.option("--log-samples", "samples_path", type=click.Path(path_type=Path), default=None,
               help="Write one JSON line per variant, task and item here (inputs, per-item scores, outputs).")
-def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tuple[str, ...], limit: int | None,
-                 seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,
+def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | None, task_files: tuple[str, ...],
+                 limit: int | None, seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,
                  batch_size: int, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
                  budgets: tuple[int, ...], sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...],
                  variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None,
                  samples_path: Path | None) -> None:
     from retrofit.atomic import write_json
     from retrofit.devices import default_dtype
+    from retrofit.eval.conversion_report import REPORT_DTYPE
     from retrofit.eval.runner import run_eval, write_samples
     from retrofit.eval.table import markdown_table
     from retrofit.eval.tasks import EvalSettings, build_jobs
@@ -117,6 +142,12 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
 
     if batch_size <= 0:
         raise RetrofitError(f"--batch-size must be positive, got {batch_size}")
+    if report:
+        tasks, context_length, num_seeds = report_options(click.get_current_context(), data_dir, seq_len,
+                                                          context_length, num_seeds)
+    elif tasks is None:
+        raise RetrofitError("name the tasks with --tasks (see retrofit eval --help), or --report for the conversion "
+                            "report's")
     if haystack is not None and not haystack.is_file():
         raise RetrofitError(f"haystack file not found: {haystack}")
     settings = EvalSettings(data_dir=data_dir, limit=limit, seq_len=seq_len,
@@ -127,12 +158,12 @@ def eval_command(model: str, tasks: str, data_dir: Path | None, task_files: tupl
     jobs = build_jobs(task_names, settings)
     variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
                                      list(variant_specs))
-    dtype = dtype or default_dtype(device)
+    dtype = dtype or (REPORT_DTYPE if report else default_dtype(device))
     began = time.perf_counter()
     loaded, tokenizer = load(model, dtype=dtype, device=device)
     for variant in variants:
         variant.describe(loaded)  # a bad variant (e.g. a layer out of range) fails before dense runs
-    config = {"model": model, "tasks": task_names, "data_dir": str(data_dir) if data_dir else None,
+    config = {"model": model, "tasks": task_names, "report": report, "data_dir": str(data_dir) if data_dir else None,
               "task_files": {name: str(path) for name, path in settings.task_files.items()}, "limit": limit,
               "seq_len": seq_len, "context_lengths": list(settings.context_lengths), "seeds": settings.seeds,
               "haystack": str(haystack) if haystack else None, "batch_size": batch_size,
