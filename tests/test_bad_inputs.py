@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,9 @@ from _cli_runner import run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hybrid_v1_gdn"
 EVAL = ["--data-dir", "{eval}"]
+CONVERT = ["smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--out", "{missing}"]
+REPORT = ["--report-data-dir", "{eval}"]
+REPORTED = [*CONVERT, "--data", "{calib}", *REPORT]  # a sound conversion with its report, before the bad option
 
 ROWS = [
     # --- inspect: paths that are not models, damaged checkpoints, devices and dtypes
@@ -90,6 +94,34 @@ ROWS = [
     (["eval", "smollm2-135m", "--tasks", "piqa", "--variant", "quest:page_size=4", *EVAL], "need an integer budget"),
     (["eval", "{truncated}", "--tasks", "piqa", *EVAL], "model.safetensors: truncated"),
     (["eval", "smollm2-135m", "--tasks", "niah_single", "--context-length", "20000"], "over the model's limit"),
+    (["eval", "smollm2-135m", *EVAL], "name the tasks with --tasks"),
+    (["eval", "smollm2-135m", "--report"], "the conversion report needs the evaluation data: pass --data-dir DIR"),
+    (["eval", "smollm2-135m", "--report", "--tasks", "piqa", *EVAL], "--report chooses the tasks: drop --tasks"),
+    (["eval", "smollm2-135m", "--tasks", "fidelity:{missing}"], "data file not found"),
+    # --- convert: the conversion report's options and files, all checked before the conversion starts
+    (["convert", *CONVERT, "--data", "{eval}/wikitext2_test.raw", *REPORT], "wikitext2_test.raw is an evaluation set"),
+    (["convert", *CONVERT, "--data", "{wikitext_copy}", *REPORT],
+     "evaluation file {eval}/wikitext2_test.raw has the same content as the calibration file {wikitext_copy}"),
+    (["convert", *CONVERT, "--data", "{mixed_calib}", *REPORT],
+     "the calibration file {mixed_calib} (--data) contains the evaluation text {eval}/wikitext2_test.raw"),
+    (["convert", *CONVERT, "--data", "{piqa_copy}", *REPORT],
+     "has the same content as the calibration file {piqa_copy}"),
+    (["convert", *CONVERT, "--data", "{calib}"], "pass --report-data-dir DIR"),
+    (["convert", *CONVERT, "--data", "{calib}", "--report-data-dir", "{empty_dir}"], "data file not found"),
+    (["convert", *REPORTED, "--report-text", "{missing}"], "data file not found"),
+    (["convert", *REPORTED, "--report-text", "{random_text}"], "not UTF-8 text"),
+    (["convert", *REPORTED, "--report-context", "16k"],
+     "--report-context 16384 is over smollm2-135m's limit of 8192 positions"),
+    (["convert", *REPORTED, "--report-context", "2x"], "--report-context: expected comma-separated token counts"),
+    (["convert", *REPORTED, "--report-context", "128,2k"], "--report-context 128 is too short for passkey"),
+    (["convert", *REPORTED, "--report-tasks", "pika"], "--report-tasks: unknown task 'pika' (did you mean 'piqa'?)"),
+    (["convert", *REPORTED, "--report-tasks", "passkey"], "--report-tasks: passkey is in every report already"),
+    (["convert", *REPORTED, "--report-tasks", "piqa,piqa"], "--report-tasks names piqa more than once"),
+    (["convert", *REPORTED, "--report-seeds", "0"], "--report-seeds must be positive"),
+    (["convert", *REPORTED, "--report-limit", "0"], "--report-limit must be positive"),
+    (["convert", *REPORTED, "--report-dtype", "float8"], "unknown dtype 'float8'"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--report-limit", "4"],
+     "--report-limit needs the report (drop --no-report)"),
     # --- bench: configs, lengths, engines, variants
     (["bench", "llama3-7b"], "unknown model config 'llama3-7b' (did you mean 'llama3-8b'?)"),
     (["bench", "llama3-8b", "--context", "0"], "lengths must be positive"),
@@ -116,13 +148,14 @@ ROWS = [
 
 
 @pytest.fixture(scope="module")
-def bad_files(tmp_path_factory, eval_data_dir, smollm2):
-    """name -> path of each bad file or directory the table names (``{eval}`` is the real evaluation folder,
-    ``{dense_dir}`` the real SmolLM2 directory: a good dense model, but not a hybrid)."""
+def bad_files(tmp_path_factory, eval_data_dir, calib_data_dir, smollm2):
+    """name -> path of each bad file or directory the table names (``{eval}`` and ``{calib}`` are the real evaluation
+    and calibration folders, ``{dense_dir}`` the real SmolLM2 directory: a good dense model, but not a hybrid)."""
     from retrofit.load import reference_checkpoint
 
     root = tmp_path_factory.mktemp("bad")
-    paths = {"missing": root / "does-not-exist", "eval": eval_data_dir, "dense_dir": reference_checkpoint("smollm2-135m")}
+    paths = {"missing": root / "does-not-exist", "eval": eval_data_dir, "calib": calib_data_dir,
+             "dense_dir": reference_checkpoint("smollm2-135m")}
     (root / "empty").mkdir()
     paths["empty_dir"] = root / "empty"
     paths["text_file"] = root / "notes.txt"
@@ -151,10 +184,25 @@ def bad_files(tmp_path_factory, eval_data_dir, smollm2):
     paths["blank_text"].write_text("  \n\n  ")
     paths["control_text"] = root / "control.txt"
     paths["control_text"].write_text("\x01\x02\x03\x04" * 1000)
+    # calibration text that holds evaluation data: a renamed copy, and a book with a tenth of the test text re-wrapped
+    paths["wikitext_copy"] = root / "notes.txt"
+    shutil.copyfile(eval_data_dir / "wikitext2_test.raw", paths["wikitext_copy"])
+    paths["piqa_copy"] = root / "questions.txt"
+    shutil.copyfile(eval_data_dir / "piqa.jsonl", paths["piqa_copy"])
+    test_text = (eval_data_dir / "wikitext2_test.raw").read_text()
+    paths["mixed_calib"] = root / "mixed.txt"
+    paths["mixed_calib"].write_text((calib_data_dir / "walden.txt").read_text()
+                                    + textwrap.fill(test_text[len(test_text) // 2:len(test_text) * 6 // 10], 70))
     return paths
 
 
-@pytest.mark.parametrize("args, fragment", ROWS, ids=[" ".join(args)[:60] for args, _ in ROWS])
+def row_id(args: list[str]) -> str:
+    """The row's arguments, the shared convert options shortened to ``...``, cut at 60 characters."""
+    shown = " ".join(args).replace(" ".join(REPORTED), "... +report").replace(" ".join(CONVERT), "...")
+    return shown.replace(" ".join(REPORT), "+report")[:60]
+
+
+@pytest.mark.parametrize("args, fragment", ROWS, ids=[row_id(args) for args, _ in ROWS])
 def test_bad_input_is_one_line_and_exit_2(bad_files, args, fragment):
     argv = [part.format(**bad_files) for part in args]
     result = run(*argv)
@@ -168,5 +216,5 @@ def test_bad_input_is_one_line_and_exit_2(bad_files, args, fragment):
 def test_the_table_has_the_rows_of_every_verb():
     # the table is the one place bad inputs are listed: every verb users type has rows in it
     verbs = {args[0] for args, _ in ROWS}
-    assert {"inspect", "generate", "eval", "bench", "lm-eval"} <= verbs
+    assert {"inspect", "generate", "eval", "bench", "lm-eval", "convert"} <= verbs
     assert len(ROWS) >= 64
