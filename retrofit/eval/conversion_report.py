@@ -265,7 +265,8 @@ def cost_line(conversion: dict[str, object]) -> str:
     layers = conversion.get("layers") or []
     tokens = conversion.get("tokens")
     trained = f"{tokens:,} tokens" if tokens is not None else f"a budget of {conversion.get('token_budget')} tokens"
-    return (f"conversion: {len(layers)} {conversion.get('layer_type')} layers ({','.join(map(str, layers))}), "
+    plural = "" if len(layers) == 1 else "s"
+    return (f"conversion: {len(layers)} {conversion.get('layer_type')} layer{plural} ({','.join(map(str, layers))}), "
             f"{trained} in {float(conversion['seconds']) / 60:.1f} min, peak memory "
             f"{int(conversion['peak_memory_bytes']) / 2 ** 30:.2f} GiB ({conversion['peak_memory_measure']})")
 
