@@ -228,8 +228,9 @@ def conversion_facts(out: Path, cost: ConversionCost, earlier_seconds: float, mo
 
     section = read_config(out)["retrofit"]
     distillation = dict(section.get("distillation") or {})
-    steps = [distillation.get("stage1_steps"), distillation.get("stage2_steps"), distillation.get("tokens_per_step")]
-    trained = (steps[0] + steps[1]) * steps[2] if all(isinstance(value, int) for value in steps) else None
+    stage1, stage2, per_step = (distillation.get(key) for key in ("stage1_steps", "stage2_steps", "tokens_per_step"))
+    counted = all(isinstance(value, int) for value in (stage1, stage2, per_step))
+    trained = (stage1 + stage2) * per_step if counted else None  # None where a newer section counts otherwise
     return {"model": model, "recipe": recipe, "out": str(out), "layer_type": section.get("layer_type"),
             "layers": section.get("layers"), "calibration_files": [str(path) for path in calibration],
             "seconds": earlier_seconds + cost.seconds, "seconds_this_part": cost.seconds,
