@@ -52,6 +52,15 @@ def load_recipe(path: str | os.PathLike | None) -> dict:
     return values
 
 
+def _refuse_options_that_do_nothing(given: dict, config) -> None:
+    """Options given for this run (CLI or keyword) that this run would ignore are refused in one line."""
+    if given.get("parallel") is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise RetrofitError(f"--parallel {given['parallel']} applies under torchrun (several processes); this run "
+                            "has one process")
+    if given.get("lr_lora") is not None and config.lora_rank == 0:
+        raise RetrofitError("--lr-lora applies to LoRA, which --lora-rank 0 turns off")
+
+
 def _init_distributed(device: str | None) -> torch.device:
     """Under torchrun, start the process group (NCCL on GPU) and return this rank's device."""
     import torch.distributed as dist
@@ -122,6 +131,7 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
         spec = LinearAttentionSpec.from_dict(settings.get("layer_spec") or {})
     except (TypeError, ValueError) as err:
         raise RetrofitError(f"bad setting: {err}") from None
+    _refuse_options_that_do_nothing(overrides, config)
 
     import time
 
