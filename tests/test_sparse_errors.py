@@ -105,3 +105,19 @@ def test_layers_must_be_softmax_attention_layers(smollm2):
         with sparse_decoding(model, method="quest", budget=64, layers=[0, 30]):
             pass
     assert not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("head_dim, page", [(128, 16), (256, 16), (96, 8), (64, 4), (32, 1), (8, 1)])
+def test_quest_page_size_follows_the_head_dimension(head_dim, page):
+    # the rule measured at 128 -> 16 (the authors') and 64 -> 4 (SmolLM2); between and beyond, its interpolation
+    from retrofit.sparse.methods.quest import default_page_size
+
+    assert default_page_size(head_dim) == page
+
+
+def test_quest_takes_its_page_size_from_the_model(smollm2):
+    from retrofit.sparse import sparse_decoding
+
+    model, _ = smollm2
+    with sparse_decoding(model, method="quest", budget=256) as session:
+        assert session.method.page_size == 4  # SmolLM2's head_dim is 64

@@ -68,7 +68,7 @@ Examples:
               show_default=True, help="What generates: retrofit's engine, or transformers' generate (see above).")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median reported).")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs per point before the timed ones.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results here.")
 def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
                   sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],

@@ -27,6 +27,12 @@ Examples:
 @click.option("--batch-size", type=int, default=None, help="Windows per micro-batch per GPU/process.")
 @click.option("--grad-accum", type=int, default=None, help="Micro-batches per optimizer step.")
 @click.option("--stage1-fraction", type=float, default=None, help="Share of the tokens spent on layer-wise alignment.")
+@click.option("--stage2-lengths", default=None, metavar="LEN:SHARE,...",
+              help="Stage 2's curriculum of window lengths and token shares, e.g. 1024:0.5,4096:0.3,8192:0.2 "
+                   "(default: all on --seq-len windows).")
+@click.option("--checkpoint-activations-from", type=int, default=None, metavar="TOKENS",
+              help="Recompute the student's layer activations in the backward pass for windows of at least this many "
+                   "tokens (0 = never).")
 @click.option("--lr-stage1", type=float, default=None, help="Learning rate of the new layers in stage 1.")
 @click.option("--lr-stage2", type=float, default=None, help="Learning rate of the new layers in stage 2.")
 @click.option("--lr-lora", type=float, default=None, help="Learning rate of LoRA in stage 2.")
@@ -44,7 +50,7 @@ Examples:
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch_size, grad_accum, stage1_fraction,
-                    lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, parallel, resume,
+                    stage2_lengths, checkpoint_activations_from, lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, parallel, resume,
                     max_minutes, overwrite, device, quiet):
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
@@ -58,8 +64,9 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
         path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
                        max_minutes=max_minutes, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                       stage1_fraction=stage1_fraction, lr_stage1=lr_stage1, lr_stage2=lr_stage2, lr_lora=lr_lora,
-                       lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
+                       stage1_fraction=stage1_fraction, stage2_lengths=stage2_lengths,
+                       checkpoint_activations_from=checkpoint_activations_from, lr_stage1=lr_stage1,
+                       lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
                        parallel=parallel)
     except TrainingPaused as paused:
         if distributed()[0] == 0:

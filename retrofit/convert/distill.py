@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -42,109 +40,7 @@ from retrofit.convert.checkpoint import (
 from retrofit.convert.data import BatchSampler
 from retrofit.convert.objectives import (AttentionCapture, DecoderInputCapture, LayerAligner, StudentTail, kl_loss,
                                          lora_target_names, warmup_cosine)
-
-PARALLEL_MODES = ("ddp", "fsdp")
-
-
-@dataclass
-class DistillConfig:
-    """Distillation hyper-parameters (recipe keys of the same names; CLI options override them).
-
-    Attributes:
-        tokens: calibration tokens processed in total (both stages, all ranks).
-        seq_len: tokens per training window.
-        batch_size: windows per micro-batch per rank.
-        grad_accum: micro-batches per optimizer step.
-        stage1_fraction: share of the token budget spent on stage 1 (layer-wise alignment).
-        lr_stage1: learning rate of the new layers in stage 1.
-        lr_stage2: learning rate of the new layers in stage 2.
-        lr_lora: learning rate of the LoRA adapters in stage 2.
-        lora_rank: LoRA rank (0 = no LoRA: stage 2 trains the new layers only).
-        lora_alpha: LoRA alpha.
-        lora_targets: comma list of ``attention`` (q/k/v/o of the layers kept dense) and ``mlp`` (gate/up/down).
-        ce_weight: weight of the next-token cross-entropy added to the KL loss in stage 2.
-        temperature: distillation temperature of the KL loss.
-        warmup: fraction of each stage's steps spent in linear warm-up (then cosine decay to 10%).
-        weight_decay: AdamW weight decay.
-        grad_clip: gradient-norm clip (0 = off).
-        checkpoint_every: optimizer steps between training checkpoints (0 = never).
-        seed: seed of the data order and of the LoRA initialisation.
-        bf16: bf16 autocast (None: on CUDA only).
-        parallel: multi-process engine under torchrun: ``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2
-            ``fully_shard``); ignored in a single process.
-    """
-
-    tokens: int = 2_000_000
-    seq_len: int = 512
-    batch_size: int = 8
-    grad_accum: int = 1
-    stage1_fraction: float = 0.25
-    lr_stage1: float = 1e-3
-    lr_stage2: float = 3e-4
-    lr_lora: float = 1e-4
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    lora_targets: str = "attention,mlp"
-    ce_weight: float = 0.0
-    temperature: float = 1.0
-    warmup: float = 0.05
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    checkpoint_every: int = 200
-    seed: int = 0
-    bf16: bool | None = None
-    parallel: str = "ddp"
-
-    def __post_init__(self):
-        positive = ("tokens", "seq_len", "batch_size", "grad_accum", "lora_alpha")
-        for name in positive:
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("lr_stage1", "lr_stage2", "lr_lora", "temperature"):
-            if float(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("stage1_fraction", "warmup"):
-            if not 0 <= float(getattr(self, name)) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
-            raise ValueError("lora_rank, checkpoint_every and ce_weight must be >= 0")
-        if self.parallel not in PARALLEL_MODES:
-            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
-        unknown = set(self.lora_target_groups()) - {"attention", "mlp"}
-        if unknown:
-            raise ValueError(f"lora_targets: unknown group(s) {', '.join(sorted(unknown))}; use attention, mlp")
-
-    def lora_target_groups(self) -> list[str]:
-        return [t.strip() for t in self.lora_targets.split(",") if t.strip() and t.strip() != "none"]
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Plan:
-    """Steps of each stage for a token budget: one step = ``batch_size * grad_accum * world_size`` windows."""
-
-    stage1_steps: int
-    stage2_steps: int
-    tokens_per_step: int
-
-    @classmethod
-    def from_config(cls, config: DistillConfig, world_size: int = 1) -> "Plan":
-        per_step = config.batch_size * config.grad_accum * world_size * config.seq_len
-        total = max(1, math.ceil(config.tokens / per_step))
-        stage1 = round(total * config.stage1_fraction)
-        if config.stage1_fraction > 0 and stage1 == 0:
-            stage1 = 1
-        return cls(stage1, max(0, total - stage1), per_step)
-
-    def windows_needed(self, config: DistillConfig, world_size: int = 1) -> int:
-        return (self.stage1_steps + self.stage2_steps) * config.batch_size * config.grad_accum * world_size
-
+from retrofit.convert.plan import PARALLEL_MODES, DistillConfig, Plan  # noqa: F401  (re-exported: the settings' old home)
 
 def distributed() -> tuple[int, int]:
     """(rank, world size); (0, 1) without an initialised process group."""
@@ -174,12 +70,13 @@ class Distiller:
     """Runs stage 1 and stage 2 on a hybrid built from ``dense`` and returns the trained hybrid (LoRA merged).
 
     ``dense`` and ``hybrid`` must not share parameter storage (LoRA merging writes into the hybrid's weights).
-    ``windows``: ``[N, seq_len]`` calibration token windows. ``work_dir``: where training checkpoints go.
+    ``windows``: ``[N, seq_len]`` calibration token windows, or a dict window length -> ``[N_len, len]`` windows
+    holding every length of stage 2's curriculum (``config.stage2_lengths``). ``work_dir``: where training checkpoints go.
     ``on_step(stage, step)`` is called after every optimizer step (progress reporting; tests use it to interrupt).
     """
 
     def __init__(self, dense: nn.Module, hybrid: nn.Module, layers: list[int], config: DistillConfig,
-                 windows: torch.Tensor, work_dir: Path, fingerprint: dict, device: torch.device,
+                 windows: torch.Tensor | dict[int, torch.Tensor], work_dir: Path, fingerprint: dict, device: torch.device,
                  resume: bool = False, show_progress: bool = True,
                  on_step: Callable[[int, int], None] | None = None, deadline: float | None = None):
         self.dense, self.hybrid, self.layers, self.config = dense, hybrid, sorted(layers), config
@@ -189,7 +86,11 @@ class Distiller:
         self.show_progress = show_progress and self.rank == 0
         self.plan = Plan.from_config(config, self.world_size)
         self.fingerprint = fingerprint
-        self.windows = windows
+        self.pools = dict(windows) if isinstance(windows, dict) else {config.seq_len: windows}
+        self.windows = self.pools[config.seq_len]
+        for phase in self.plan.phases:
+            if phase.steps and phase.seq_len not in self.pools:
+                raise ValueError(f"no calibration windows of {phase.seq_len} tokens for stage 2's curriculum")
         self.saved = load_train_state(self.work_dir, fingerprint) if resume else None
         self.bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
         self.history: dict[str, list[float]] = {"stage1": [], "stage2": []}
@@ -200,12 +101,21 @@ class Distiller:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _sampler(self, stage: int) -> BatchSampler:
+    def _batch(self, stage: int, step: int, micro: int) -> torch.Tensor:
+        """The ``[batch, length]`` windows of micro-batch ``micro`` of ``step`` (a stage-2 step reads the windows of
+        its curriculum phase, indexed from the phase's first step, so a resumed run reads what an uninterrupted one
+        would)."""
+        if stage == 1:
+            key, pool, batch_size, index = (1, 0), self.windows, self.config.batch_size, step
+        else:
+            phase_index, phase = self.plan.phase_of(step)
+            key, pool = (2, phase_index), self.pools[phase.seq_len]
+            batch_size, index = phase.batch_size, step - phase.first_step
         samplers = self.__dict__.setdefault("_samplers", {})
-        if stage not in samplers:
-            samplers[stage] = BatchSampler(self.windows, self.config.batch_size, seed=self.config.seed * 10 + stage,
-                                           rank=self.rank, world_size=self.world_size)
-        return samplers[stage]
+        if key not in samplers:  # phase 0's seed is the seed stage 2 had before curricula existed
+            samplers[key] = BatchSampler(pool, batch_size, seed=self.config.seed * 10 + stage + 1000 * key[1],
+                                         rank=self.rank, world_size=self.world_size)
+        return samplers[key].batch(index * self.config.grad_accum + micro)
 
     @property
     def sharded(self) -> bool:
@@ -319,7 +229,7 @@ class Distiller:
         for step in range(start, steps):
             total = 0.0
             for micro in range(self.config.grad_accum):
-                batch = self._sampler(stage).batch(step * self.config.grad_accum + micro).to(self.device)
+                batch = self._batch(stage, step, micro).to(self.device)
                 loss = step_fn(batch) / self.config.grad_accum
                 loss.backward()
                 total += float(loss.detach())
@@ -331,7 +241,8 @@ class Distiller:
             self.history[f"stage{stage}"].append(total)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{total:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+                window = self.config.seq_len if stage == 1 else self.plan.phase_of(step)[1].seq_len
+                bar.set_postfix(loss=f"{total:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}", window=window)
             if self.config.checkpoint_every and (step + 1) % self.config.checkpoint_every == 0 and step + 1 < steps:
                 self._checkpoint(stage, step + 1, module, opt, sched)
             if self.on_step is not None:
@@ -418,7 +329,8 @@ class Distiller:
             return m.get_base_model() if use_lora else m
 
         wrapped, module, params, opt, sched, start, finish = self._prepare(
-            2, model, param_groups, self.plan.stage2_steps, make_root=lambda m: StudentTail(base(m), first),
+            2, model, param_groups, self.plan.stage2_steps,
+            make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from),
             units=lambda m: list(base(m).model.layers[first:]))
         capture = DecoderInputCapture(self.dense, first)
 

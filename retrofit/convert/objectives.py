@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def warmup_cosine(total_steps: int, warmup: float, floor: float = 0.1) -> Callable[[int], float]:
@@ -113,16 +114,24 @@ class StudentTail(nn.Module):
 
     Layers below the first converted one compute exactly what the dense model computes (they are not adapted), so
     stage 2 starts the student from the teacher's residual stream there instead of recomputing it.
+
+    ``checkpoint_from``: windows of at least this many tokens run each layer under activation checkpointing (its
+    activations recomputed in the backward pass instead of kept; 0 = never): the memory a long window needs beyond
+    the residual stream is one layer's, at the cost of a second forward pass of the tail.
     """
 
-    def __init__(self, model: nn.Module, first: int):
+    def __init__(self, model: nn.Module, first: int, checkpoint_from: int = 0):
         super().__init__()
-        self.model, self.first = model, first
+        self.model, self.first, self.checkpoint_from = model, first, checkpoint_from
 
     def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> logits ``[B, T, vocab]``."""
+        recompute = torch.is_grad_enabled() and 0 < self.checkpoint_from <= hidden_states.shape[1]
         for layer in self.model.model.layers[self.first:]:
-            out = layer(hidden_states, **layer_kwargs)
+            if recompute:
+                out = checkpoint(layer, hidden_states, use_reentrant=False, **layer_kwargs)
+            else:
+                out = layer(hidden_states, **layer_kwargs)
             hidden_states = out[0] if isinstance(out, tuple) else out
         return self.model.lm_head(self.model.model.norm(hidden_states))
 

@@ -52,6 +52,15 @@ def load_recipe(path: str | os.PathLike | None) -> dict:
     return values
 
 
+def _refuse_options_that_do_nothing(given: dict, config) -> None:
+    """Options given for this run (CLI or keyword) that this run would ignore are refused in one line."""
+    if given.get("parallel") is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise RetrofitError(f"--parallel {given['parallel']} applies under torchrun (several processes); this run "
+                            "has one process")
+    if given.get("lr_lora") is not None and config.lora_rank == 0:
+        raise RetrofitError("--lr-lora applies to LoRA, which --lora-rank 0 turns off")
+
+
 def _init_distributed(device: str | None) -> torch.device:
     """Under torchrun, start the process group (NCCL on GPU) and return this rank's device."""
     import torch.distributed as dist
@@ -106,6 +115,12 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
         raise RetrofitError(f"--tokens must be > 0, got {settings['tokens']}")
     if out.exists() and not overwrite:
         raise RetrofitError(f"output directory {out} exists; pass --overwrite to replace it")
+    if resume:
+        from retrofit.convert.checkpoint import STATE_FILE, work_dir_for
+
+        if not (work_dir_for(out) / STATE_FILE).is_file():
+            raise RetrofitError(f"--resume: nothing to resume, {work_dir_for(out) / STATE_FILE} does not exist "
+                                "(run without --resume to start the conversion)")
     data_paths = settings.get("data")
     if isinstance(data_paths, str):
         data_paths = [data_paths]
@@ -116,6 +131,7 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
         spec = LinearAttentionSpec.from_dict(settings.get("layer_spec") or {})
     except (TypeError, ValueError) as err:
         raise RetrofitError(f"bad setting: {err}") from None
+    _refuse_options_that_do_nothing(overrides, config)
 
     import time
 
@@ -151,7 +167,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     from retrofit.convert.build import to_hybrid
     from retrofit.convert.selection import choose, parse_layer_spec, ranking_table, score_layers
     from retrofit.hybrid import HybridSection, save_hybrid
-    from retrofit.model_info import attention_layout
+    from retrofit.model_info import attention_layout, max_model_length
 
     rank, world = distributed()
     layout = attention_layout(dense)
@@ -162,8 +178,17 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     extra = 0
     if parsed.needs_scoring:
         extra = int(select_settings.get("align_steps", 30)) * int(select_settings.get("batch_size", 4)) + probe
-    windows = token_windows(tokenizer, [str(f) for f in files], plan.windows_needed(config, world) + extra,
-                            config.seq_len, seed=config.seed, show_progress=show_progress and rank == 0)
+    limit = max_model_length(dense)
+    if config.longest_window > limit:
+        raise RetrofitError(f"windows of {config.longest_window} tokens (seq_len / stage2_lengths) are over the model's "
+                            f"limit of {limit} positions (max_position_embeddings)")
+    pools = {}
+    for length, count in plan.windows_needed(config, world).items():  # seq_len first: the scorer's windows too
+        more = extra if length == config.seq_len else 0
+        pools[length] = token_windows(tokenizer, [str(f) for f in files], count + more, length,
+                                      seed=config.seed + (0 if length == config.seq_len else length),
+                                      show_progress=show_progress and rank == 0)
+    windows = pools[config.seq_len]
     if parsed.needs_scoring:
         scores = score_layers(dense, windows, layer_type=kind, align_steps=int(select_settings.get("align_steps", 30)),
                               batch_size=int(select_settings.get("batch_size", 4)), probe_windows=probe,
@@ -187,11 +212,12 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
                    "data": [f"{f}:{f.stat().st_size}" for f in files], "config": config.to_dict(),
                    "layer_spec": spec.to_dict(), "world_size": world}
     work_dir = work_dir_for(out)
-    distiller = Distiller(dense, hybrid, chosen, config, windows, work_dir, fingerprint, torch_device,
+    distiller = Distiller(dense, hybrid, chosen, config, pools, work_dir, fingerprint, torch_device,
                           resume=resume, show_progress=show_progress, on_step=on_step, deadline=deadline)
     model = distiller.run()
     section.distillation = {"tokens": config.tokens, "stage1_steps": distiller.plan.stage1_steps,
                             "stage2_steps": distiller.plan.stage2_steps, "tokens_per_step": distiller.plan.tokens_per_step,
+                            "stage2_phases": distiller.plan.describe(),
                             "final_loss_stage1": (distiller.history["stage1"] or [None])[-1],
                             "final_loss_stage2": (distiller.history["stage2"] or [None])[-1],
                             "settings": config.to_dict()}

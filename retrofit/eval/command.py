@@ -120,9 +120,9 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
               help='Variant spec: "METHOD:budget=N[,k=v...]", "hybrid:DIR", "convert:gdn|kda:LAYERS" (repeatable).')
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="Write a PNG chart here.")
-@click.option("--log-samples", "samples_path", type=click.Path(path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG chart here.")
+@click.option("--log-samples", "samples_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write one JSON line per variant, task and item here (inputs, per-item scores, outputs).")
 def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | None, task_files: tuple[str, ...],
                  limit: int | None, seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,

@@ -136,7 +136,7 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
               help="Items per seed (the needle depth sweeps 0-100% over them).")
 @click.option("--haystack", type=click.Path(path_type=Path), default=None,
               help="Text file whose sentences replace the noise haystack.")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Folder for the task files.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Folder for the task files.")
 def lm_eval_task_command(task: str, model: str, context_length: str, seed: int, num_seeds: int,
                          items_per_seed: int, haystack: Path | None, out_dir: Path) -> None:
     from retrofit.eval.synthetic import SYNTHETIC_TASKS, Haystack

@@ -14,7 +14,7 @@ from retrofit.errors import RetrofitError
 @click.option("--data", "data", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
               help="Text file(s) or folder(s) of .txt files (e.g. ../shared/data/calib). Repeatable.")
 @click.option("--tokens", type=int, default=262_144, show_default=True, help="Calibration tokens to train on.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Gate file to write (atomically).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Gate file to write (atomically).")
 @click.option("--seq-len", type=int, default=None,
               help="Longest training sequence; at least the prompt lengths you decode. Default: the model's maximum "
                    "length up to 8192, with --min-seq-len a quarter of it.")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Long-context hybrids on one GPU (BENCHMARKS.md, Conversion): several conversions at once from recipes with a
+# long-window stage 2, paused at a deadline so that the next device call resumes them, then one conversion report
+# of dense beside every finished hybrid (`retrofit eval --report`: wikitext2 test perplexity, PIQA and ARC-easy in
+# full with paired deltas, passkey and niah_single at 2K/4K/8K, generation fidelity).
+#
+#   bash benchmarks/convert_long_gpu.sh convert MINUTES CALIB_DIR RECIPE...   # start or resume every recipe
+#   bash benchmarks/convert_long_gpu.sh report EVAL_DIR SEEDS RECIPE...       # dense beside the finished hybrids
+#
+# Hybrids and their training checkpoints go under runs/ (git-ignored: kept between calls while the machine stays
+# warm); logs and JSON go to $OUT (default ./out). A conversion that reaches MINUTES writes a checkpoint and exits 3;
+# the same command resumes it.
+set -uo pipefail
+stage=${1:?convert|report}
+out=${OUT:-out}
+mkdir -p "$out" runs
+
+case "$stage" in
+convert)
+  minutes=${2:?MINUTES}; calib=${3:?CALIB_DIR}; shift 3
+  for recipe in "$@"; do
+    name=$(basename "$recipe" .yaml)
+    [ -f "runs/$name/config.json" ] && { echo "$name: finished already"; continue; }
+    resume=()
+    [ -f "runs/$name.train/train_state.pt" ] && resume=(--resume)
+    (
+      start=$(date +%s)
+      retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "runs/$name" --device cuda --quiet \
+        --no-report --max-minutes "$minutes" "${resume[@]}" >"$out/convert_$name.log" 2>&1
+      code=$?
+      echo "convert $name exit $code after $(( $(date +%s) - start )) s" | tee -a "$out/convert_$name.log"
+    ) &
+  done
+  wait
+  ;;
+report)
+  evaldir=${2:?EVAL_DIR}; seeds=${3:?SEEDS}; shift 3
+  hybrids=()
+  for recipe in "$@"; do
+    name=$(basename "$recipe" .yaml)
+    if [ -f "runs/$name/config.json" ]; then hybrids+=(--hybrid "runs/$name"); else echo "$name: not finished"; fi
+  done
+  retrofit eval smollm2-135m --report --data-dir "$evaldir" --num-seeds "$seeds" "${hybrids[@]}" --device cuda \
+    --batch-size 32 --json "$out/report.json" 2>&1 | tr '\r' '\n' | grep -v "%|" | tee "$out/report.md"
+  ;;
+*)
+  echo "usage: convert_long_gpu.sh convert MINUTES CALIB_DIR RECIPE... | report EVAL_DIR SEEDS RECIPE..." >&2
+  exit 2
+  ;;
+esac
