@@ -39,3 +39,11 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 def default_dtype(device: str | torch.device | None) -> str:
     """The dtype a command runs in when ``--dtype`` is not given: bfloat16 on CUDA, float32 elsewhere."""
     return "bfloat16" if parse_device(device).type == "cuda" else "float32"
+
+
+def is_first_process() -> bool:
+    """Rank 0 under torchrun (the ``RANK`` it sets: still readable after the process group has ended), or a lone
+    process."""
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0

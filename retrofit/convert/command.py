@@ -55,7 +55,8 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
 
-    from retrofit.convert.distill import TrainingPaused, distributed
+    from retrofit.convert.distill import TrainingPaused
+    from retrofit.devices import is_first_process
     from retrofit.convert.pipeline import convert
 
     start = time.time()
@@ -69,11 +70,11 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
                        parallel=parallel)
     except TrainingPaused as paused:
-        if distributed()[0] == 0:
+        if is_first_process():
             _record_seconds(out, earlier + time.time() - start)
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
-    if distributed()[0] == 0:
+    if is_first_process():
         import json
 
         section = json.loads((path / "config.json").read_text())["retrofit"]

@@ -18,7 +18,6 @@ on the CPU), converted layers, recipe.
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import sys
 import time
@@ -272,6 +271,3 @@ def cost_line(conversion: dict[str, object]) -> str:
             f"{int(conversion['peak_memory_bytes']) / 2 ** 30:.2f} GiB ({conversion['peak_memory_measure']})")
 
 
-def is_first_process() -> bool:
-    """Rank 0 under torchrun (the ``RANK`` it sets), or a lone process."""
-    return int(os.environ.get("RANK", "0")) == 0

@@ -72,8 +72,9 @@ def _convert_then_report(**values) -> None:
     from retrofit.convert.data import calibration_files
     from retrofit.convert.pipeline import load_recipe
     from retrofit.devices import parse_device
-    from retrofit.eval.conversion_report import (conversion_facts, cost_line, is_first_process, measure_conversion,
-                                                 prepare_report, report_settings, run_report)
+    from retrofit.devices import is_first_process
+    from retrofit.eval.conversion_report import (conversion_facts, cost_line, measure_conversion, prepare_report,
+                                                 report_settings, run_report)
     from retrofit.eval.table import markdown_table
 
     report_values = {option.name: values.pop(option.name) for option in REPORT_OPTIONS}
