@@ -104,6 +104,8 @@ def sparse(method: str, budget: int, **params) -> Variant:
 def hybrid(path: str) -> Variant:
     """A hybrid checkpoint directory, loaded with ``retrofit.load`` on the dense model's device and dtype."""
     directory = Path(path)
+    if directory.is_file():
+        raise RetrofitError(f"--hybrid {path}: is a file, not a hybrid checkpoint directory")
     if not directory.is_dir():
         raise RetrofitError(f"--hybrid {path}: no such directory")
     try:

@@ -90,6 +90,8 @@ ROWS = [
     (["eval", "smollm2-135m", "--tasks", "piqa", "--sparse", "quest", *EVAL], "--sparse needs at least one --budget"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{missing}", *EVAL], "no such directory"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{dense_dir}", *EVAL], "not a hybrid checkpoint"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{empty_dir}", *EVAL], "is not a model directory"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{text_file}", *EVAL], "is a file, not a hybrid checkpoint directory"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--hybrid", "{truncated}", *EVAL], "model.safetensors: truncated"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--variant", "quest:page_size=4", *EVAL], "need an integer budget"),
     (["eval", "{truncated}", "--tasks", "piqa", *EVAL], "model.safetensors: truncated"),
@@ -122,6 +124,31 @@ ROWS = [
     (["convert", *REPORTED, "--report-dtype", "float8"], "unknown dtype 'float8'"),
     (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--report-limit", "4"],
      "--report-limit needs the report (drop --no-report)"),
+    # --- convert: calibration data, layers, settings and options that would do nothing, before any model work
+    (["convert", *CONVERT, "--data", "{random_text}", "--no-report"], "not UTF-8 text"),
+    (["convert", *CONVERT, "--data", "{blank_text}", "--no-report"], "is empty"),
+    (["convert", *CONVERT, "--data", "{missing}", "--no-report"], "does not exist"),
+    (["convert", *CONVERT, "--data", "{empty_dir}", "--no-report"], "holds no text files"),
+    (["convert", *CONVERT, "--no-report"], "no calibration data"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--resume"], "--resume: nothing to resume"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--to", "gdnn"], "did you mean 'gdn'"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--layers", "3,30"], "layer index 30 is out of range"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--tokens", "0"], "--tokens must be > 0"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--stage2-lengths", "1024:0.5"], "sum to 0.5"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--parallel", "fsdp"], "applies under torchrun"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--lora-rank", "0", "--lr-lora", "1e-4"],
+     "--lr-lora applies to LoRA"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--recipe", "{missing}"], "not found"),
+    (["convert", "smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--data", "{calib}", "--no-report", "--out",
+      "{dense_dir}"], "exists; pass --overwrite"),
+    # --- gates (Seer's gate training): data and output
+    (["gates", "smollm2-135m", "--data", "{random_text}", "--out", "{missing}.gates"], "not UTF-8 text"),
+    (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{empty_dir}"], "is a directory"),
+    (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{missing}.gates", "--resume"], "--resume: no checkpoint"),
+    # --- output files named on the command line: a directory where a file is written is refused before any work
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--json", "{empty_dir}", *EVAL], "is a directory"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--log-samples", "{empty_dir}", *EVAL], "is a directory"),
+    (["bench", "llama3-8b", "--json", "{empty_dir}"], "is a directory"),
     # --- bench: configs, lengths, engines, variants
     (["bench", "llama3-7b"], "unknown model config 'llama3-7b' (did you mean 'llama3-8b'?)"),
     (["bench", "llama3-8b", "--context", "0"], "lengths must be positive"),
@@ -216,5 +243,5 @@ def test_bad_input_is_one_line_and_exit_2(bad_files, args, fragment):
 def test_the_table_has_the_rows_of_every_verb():
     # the table is the one place bad inputs are listed: every verb users type has rows in it
     verbs = {args[0] for args, _ in ROWS}
-    assert {"inspect", "generate", "eval", "bench", "lm-eval", "convert"} <= verbs
+    assert {"inspect", "generate", "eval", "bench", "lm-eval", "convert", "gates"} <= verbs
     assert len(ROWS) >= 64
