@@ -25,6 +25,7 @@ def test_plan_without_curriculum_is_the_one_stage2_of_before():
     assert plan.stage1_steps == round(total * 0.2) == 244
     assert [(p.seq_len, p.batch_size, p.steps) for p in plan.phases] == [(1024, 16, total - 244)]
     assert plan.windows_needed(config) == {1024: total * 16}
+    assert plan.tokens_trained == total * 16 * 1024
 
 
 def test_curriculum_keeps_tokens_per_step_and_splits_stage2_by_share():
@@ -39,6 +40,7 @@ def test_curriculum_keeps_tokens_per_step_and_splits_stage2_by_share():
         assert abs(tokens - share * stage2_tokens) <= 16 * 1024  # rounded up to whole steps
     assert [p.first_step for p in plan.phases] == [0, plan.phases[0].steps, plan.phases[0].steps + plan.phases[1].steps]
     assert plan.phase_of(plan.phases[0].steps)[0] == 1
+    assert plan.tokens_trained == (plan.stage1_steps + plan.stage2_steps) * 16 * 1024
     needed = plan.windows_needed(config)
     assert needed[8192] == plan.phases[2].steps * 2 and needed[4096] == plan.phases[1].steps * 4
     assert needed[1024] == (plan.stage1_steps + plan.phases[0].steps) * 16
@@ -48,6 +50,7 @@ def test_phase_longer_than_a_micro_batch_takes_one_window():
     config = DistillConfig(tokens=4096, seq_len=128, batch_size=8, stage1_fraction=0.5, stage2_lengths="128:0.5,2048:0.5")
     plan = Plan.from_config(config)
     assert [(p.seq_len, p.batch_size, p.steps) for p in plan.phases] == [(128, 8, 1), (2048, 1, 1)]
+    assert plan.tokens_trained == 2 * 1024 + 1024 + 2048  # the long phase's step holds its whole window
 
 
 @pytest.mark.parametrize("value, message", [

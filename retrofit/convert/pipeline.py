@@ -218,6 +218,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     section.distillation = {"tokens": config.tokens, "stage1_steps": distiller.plan.stage1_steps,
                             "stage2_steps": distiller.plan.stage2_steps, "tokens_per_step": distiller.plan.tokens_per_step,
                             "stage2_phases": distiller.plan.describe(),
+                            "tokens_trained": distiller.plan.tokens_trained,
                             "final_loss_stage1": (distiller.history["stage1"] or [None])[-1],
                             "final_loss_stage2": (distiller.history["stage2"] or [None])[-1],
                             "settings": config.to_dict()}

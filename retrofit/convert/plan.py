@@ -147,6 +147,7 @@ class Phase:
     batch_size: int
     steps: int
     first_step: int  # the stage-2 step this phase starts at
+    tokens_per_step: int  # all micro-batches and ranks of one optimizer step
 
     def __contains__(self, step: int) -> bool:
         return self.first_step <= step < self.first_step + self.steps
@@ -169,6 +170,11 @@ class Plan:
     def stage2_steps(self) -> int:
         return sum(phase.steps for phase in self.phases)
 
+    @property
+    def tokens_trained(self) -> int:
+        """Tokens the whole run reads (both stages, every rank): the budget rounded up to whole steps."""
+        return self.stage1_steps * self.tokens_per_step + sum(p.steps * p.tokens_per_step for p in self.phases)
+
     @classmethod
     def from_config(cls, config: DistillConfig, world_size: int = 1) -> "Plan":
         per_step = config.batch_size * config.grad_accum * world_size * config.seq_len
@@ -180,12 +186,13 @@ class Plan:
         tokens_per_micro_batch = config.batch_size * config.seq_len
         phases, first = [], 0
         for length, share in config.stage2_curriculum():
+            windows = max(1, tokens_per_micro_batch // length)
+            step_tokens = windows * config.grad_accum * world_size * length
             if length == config.seq_len and share == 1:  # no curriculum: exactly the steps stage 1 leaves
                 steps = max(0, total - stage1)
             else:
-                step_tokens = max(1, tokens_per_micro_batch // length) * config.grad_accum * world_size * length
                 steps = math.ceil(stage2_tokens * share / step_tokens) if stage2_tokens else 0
-            phases.append(Phase(length, max(1, tokens_per_micro_batch // length), steps, first))
+            phases.append(Phase(length, windows, steps, first, step_tokens))
             first += steps
         return cls(stage1, phases, per_step)
 

@@ -229,7 +229,9 @@ def conversion_facts(out: Path, cost: ConversionCost, earlier_seconds: float, mo
     distillation = dict(section.get("distillation") or {})
     stage1, stage2, per_step = (distillation.get(key) for key in ("stage1_steps", "stage2_steps", "tokens_per_step"))
     counted = all(isinstance(value, int) for value in (stage1, stage2, per_step))
-    trained = (stage1 + stage2) * per_step if counted else None  # None where a newer section counts otherwise
+    trained = distillation.get("tokens_trained")  # every phase at its own tokens per step
+    if trained is None and counted:  # a hybrid saved before stage 2 had phases: one tokens-per-step for both stages
+        trained = (stage1 + stage2) * per_step
     return {"model": model, "recipe": recipe, "out": str(out), "layer_type": section.get("layer_type"),
             "layers": section.get("layers"), "calibration_files": [str(path) for path in calibration],
             "seconds": earlier_seconds + cost.seconds, "seconds_this_part": cost.seconds,
