@@ -21,6 +21,7 @@ EVAL = ["--data-dir", "{eval}"]
 CONVERT = ["smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--out", "{missing}"]
 REPORT = ["--report-data-dir", "{eval}"]
 REPORTED = [*CONVERT, "--data", "{calib}", *REPORT]  # a sound conversion with its report, before the bad option
+SELECT = ["select", "smollm2-135m", "--fraction", "0.25", "--data", "{text_file}"]
 
 ROWS = [
     # --- inspect: paths that are not models, damaged checkpoints, devices and dtypes
@@ -162,6 +163,17 @@ ROWS = [
     (["bench", "smollm2-135m", "--layers", "0"], "--layers must be in 1..30"),
     (["bench", "smollm2-135m", "--layers", "2", "--context", "9000"], "over the model's limit"),
     (["bench", "{dense_dir}", "--layers", "2"], "--layers applies to a config name"),
+    # --- select: the scored selector's settings, checked before the model loads
+    (["select", "smollm2-135m", "--fraction", "0", "--data", "{text_file}"], "the fraction must be in (0, 1]"),
+    ([*SELECT, "--retrieval-weight", "-1"], "retrieval_weight must be a finite number >= 0"),
+    ([*SELECT, "--retrieval-weight", "inf"], "retrieval_weight must be a finite number >= 0"),
+    ([*SELECT, "--retrieval-probes", "0"], "needs retrieval probes"),
+    ([*SELECT, "--retrieval-probes", "-2", "--retrieval-weight", "0"], "retrieval_probes must be >= 0"),
+    ([*SELECT, "--probe-context", "2048,abc"], "bad probe_context '2048,abc'"),
+    ([*SELECT, "--probe-context", "64"], "must be >= 128 tokens"),
+    ([*SELECT, "--probe-context", ""], "bad probe_context ''"),
+    ([*SELECT, "--align-steps", "0"], "align_steps must be >= 1"),
+    ([*SELECT, "--probe-windows", "0"], "probe_windows must be >= 1"),
     # --- lm-eval (lm-evaluation-harness's command line with retrofit's model): checked before lm-eval starts
     (["lm-eval", "--model", "retrofit", "--model_args", "pretrained={missing}", "--tasks", "retrofit_piqa"],
      "no such file or directory"),
@@ -243,5 +255,5 @@ def test_bad_input_is_one_line_and_exit_2(bad_files, args, fragment):
 def test_the_table_has_the_rows_of_every_verb():
     # the table is the one place bad inputs are listed: every verb users type has rows in it
     verbs = {args[0] for args, _ in ROWS}
-    assert {"inspect", "generate", "eval", "bench", "lm-eval", "convert", "gates"} <= verbs
+    assert {"inspect", "generate", "eval", "bench", "select", "lm-eval", "convert", "gates"} <= verbs
     assert len(ROWS) >= 64

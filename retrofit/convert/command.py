@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from retrofit.convert.select_settings import SelectSettings
+
 CONVERT_EXAMPLES = """
 \b
 Examples:
@@ -108,22 +110,44 @@ def _record_seconds(out: str, seconds: float) -> None:
         write_text(path, f"{seconds:.1f}")
 
 
-@click.command("select")
+SELECT_EXAMPLES = """
+\b
+Examples:
+  retrofit select smollm2-135m --fraction 0.25 --data ../shared/data/calib
+  retrofit select smollm2-135m --fraction 0.5 --data calib/ --probe-context 2048,4096 --retrieval-weight 2
+  retrofit select smollm2-135m --fraction 0.25 --data calib/ --retrieval-weight 0 --retrieval-probes 0   # KL only
+"""
+
+
+@click.command("select", epilog=SELECT_EXAMPLES)
 @click.argument("model")
 @click.option("--fraction", type=float, required=True, help="Fraction of layers to convert (0 < F <= 1).")
 @click.option("--data", multiple=True, required=True, help="Calibration text file or folder (repeatable).")
 @click.option("--to", "to", default="gdn", show_default=True, help="Layer type used for the probe: gdn or kda.")
 @click.option("--tokens", type=int, default=None, help="Calibration tokens for the probe (default: what the steps need).")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per window.")
-@click.option("--align-steps", type=int, default=30, show_default=True, help="Alignment steps (all layers at once).")
-@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per alignment step.")
-@click.option("--probe-windows", type=int, default=8, show_default=True, help="Held-out windows for the KL probe.")
+@click.option("--align-steps", type=int, default=SelectSettings.align_steps, show_default=True,
+              help="Alignment steps (all layers at once).")
+@click.option("--batch-size", type=int, default=SelectSettings.batch_size, show_default=True,
+              help="Windows per alignment step.")
+@click.option("--probe-windows", type=int, default=SelectSettings.probe_windows, show_default=True,
+              help="Held-out windows for the KL probe.")
+@click.option("--retrieval-weight", type=float, default=SelectSettings.retrieval_weight, show_default=True,
+              help="w in cost = KL/mean(KL) + w * needle mass/mean(needle mass); 0 ranks by KL alone.")
+@click.option("--retrieval-probes", type=int, default=SelectSettings.retrieval_probes, show_default=True,
+              help="Needle probes per context length (0: no retrieval probe).")
+@click.option("--probe-context", default=",".join(map(str, SelectSettings.probe_context)), show_default=True,
+              help="Context lengths of the needle probes in tokens, comma-separated (e.g. 2048,4096).")
+@click.option("--seed", type=int, default=SelectSettings.seed, show_default=True,
+              help="Seed of the needle probes (haystacks, numbers, depths).")
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows, device, quiet):
-    """Rank MODEL's layers by the cost of converting each one (scored selector) and print the chosen --layers."""
+def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows,
+                   retrieval_weight, retrieval_probes, probe_context, seed, device, quiet):
+    """Rank MODEL's layers by the cost of converting each one (short-window KL and long-context retrieval), print
+    the ranking, the chosen --layers and what the scoring cost (seconds, peak memory)."""
     from retrofit.convert.data import token_windows
-    from retrofit.convert.selection import choose, parse_layer_spec, ranking_table, score_layers
+    from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
     from retrofit.devices import parse_device
     from retrofit.errors import RetrofitError
     from retrofit.layers import LAYER_TYPES
@@ -134,16 +158,20 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     parse_layer_spec(f"fraction:{fraction}", 1)
     if tokens is not None and tokens <= 0:
         raise RetrofitError(f"--tokens must be > 0, got {tokens}")
+    settings = SelectSettings(align_steps=align_steps, batch_size=batch_size, probe_windows=probe_windows,
+                              retrieval_weight=retrieval_weight, retrieval_probes=retrieval_probes,
+                              probe_context=probe_context, seed=seed)
     torch_device = parse_device(device)
     dense, tokenizer = load(model, dtype="float32", device=torch_device)
     layout = attention_layout(dense)
     needed = align_steps * batch_size + probe_windows
     count = needed if tokens is None else max(probe_windows + 1, tokens // seq_len)
     windows = token_windows(tokenizer, list(data), count, seq_len, show_progress=not quiet)
-    scores = score_layers(dense, windows, layer_type=to, align_steps=align_steps, batch_size=batch_size,
-                          probe_windows=probe_windows, device=torch_device, show_progress=not quiet)
-    chosen = choose(scores, fraction, layout.num_layers)
-    click.echo(ranking_table(scores, chosen))
+    ranking = rank_layers(dense, tokenizer, windows, list(data), to, settings, device=torch_device,
+                          show_progress=not quiet)
+    chosen = choose(ranking.scores, fraction, layout.num_layers)
+    click.echo(ranking_table(ranking.scores, chosen))
+    click.echo(f"\n{ranking.summary()}")
     click.echo(f"\n--layers {','.join(map(str, chosen))}")
 
 

@@ -76,14 +76,26 @@ class LayerAligner(nn.Module):
         self.converted = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
 
     def forward(self, records: dict[int, dict]) -> torch.Tensor:
-        losses = []
-        for key, layer in self.converted.items():
-            rec = records[int(key)]
-            out = layer(hidden_states=rec["hidden_states"], position_embeddings=rec["position_embeddings"],
+        return torch.stack([self.layer_loss(int(key), records) for key in self.converted]).mean()
+
+    def layer_loss(self, layer: int, records: dict[int, dict]) -> torch.Tensor:
+        """The relative MSE of converted layer ``layer`` on its recorded inputs (a scalar)."""
+        rec, converted = records[layer], self.converted[str(layer)]
+        out = converted(hidden_states=rec["hidden_states"], position_embeddings=rec["position_embeddings"],
                         attention_mask=rec["attention_mask"])[0]
-            target = rec["target"].float()
-            losses.append(F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(1e-12))
-        return torch.stack(losses).mean()
+        target = rec["target"].float()
+        return F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(1e-12)
+
+    def backward_layer_by_layer(self, records: dict[int, dict]) -> float:
+        """The gradients of ``self(records).backward()``, computed one layer at a time (the records are detached, so
+        each layer's loss reaches only its own parameters): one layer's autograd graph alive at a time instead of
+        all of them. Returns the loss value."""
+        total = 0.0
+        for key in self.converted:
+            loss = self.layer_loss(int(key), records) / len(self.converted)
+            loss.backward()
+            total += float(loss.detach())
+        return total
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -126,6 +138,11 @@ class StudentTail(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> logits ``[B, T, vocab]``."""
+        return self.model.lm_head(self.final_hidden(hidden_states, layer_kwargs))
+
+    def final_hidden(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> the final-norm output ``[B, T, hidden]``
+        that the LM head reads."""
         recompute = torch.is_grad_enabled() and 0 < self.checkpoint_from <= hidden_states.shape[1]
         for layer in self.model.model.layers[self.first:]:
             if recompute:
@@ -133,7 +150,7 @@ class StudentTail(nn.Module):
             else:
                 out = layer(hidden_states, **layer_kwargs)
             hidden_states = out[0] if isinstance(out, tuple) else out
-        return self.model.lm_head(self.model.model.norm(hidden_states))
+        return self.model.model.norm(hidden_states)
 
 
 def lora_target_names(model: nn.Module, converted: list[int], groups: list[str]) -> list[str]:

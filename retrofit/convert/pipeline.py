@@ -19,8 +19,8 @@ RECIPE_KEYS = {"model", "to", "layers", "data", "tokens", "layer_spec", "device"
 
 def load_recipe(path: str | os.PathLike | None) -> dict:
     """A recipe YAML -> dict. Keys: model, to, layers, data, tokens, any DistillConfig field, ``layer_spec``
-    (LinearAttentionSpec fields) and ``select`` (scored-selection settings). A bare name such as
-    ``smollm2-135m/cpu-small`` resolves to the recipes shipped with retrofit."""
+    (LinearAttentionSpec fields) and ``select`` (scored-selection settings: SelectSettings fields). A bare name
+    such as ``smollm2-135m/cpu-small`` resolves to the recipes shipped with retrofit."""
     if path is None:
         return {}
     import yaml
@@ -98,6 +98,7 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     """
     from retrofit.convert.data import calibration_files
     from retrofit.convert.distill import DistillConfig
+    from retrofit.convert.select_settings import SelectSettings
     from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
     from retrofit.load import load
 
@@ -125,6 +126,7 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     if isinstance(data_paths, str):
         data_paths = [data_paths]
     files = calibration_files(data_paths or [])
+    settings["select"] = SelectSettings.from_mapping(settings.get("select"))  # a bad select: fails before model work
     distill_values = {k: settings[k] for k in DistillConfig.field_names() if k in settings}
     try:
         config = DistillConfig(**distill_values)
@@ -165,7 +167,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
     from retrofit.convert.build import to_hybrid
-    from retrofit.convert.selection import choose, parse_layer_spec, ranking_table, score_layers
+    from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
     from retrofit.hybrid import HybridSection, save_hybrid
     from retrofit.model_info import attention_layout, max_model_length
 
@@ -173,11 +175,9 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     layout = attention_layout(dense)
     parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), layout.num_layers)
     plan = Plan.from_config(config, world)
-    select_settings = dict(settings.get("select") or {})
-    probe = int(select_settings.get("probe_windows", 8))
-    extra = 0
-    if parsed.needs_scoring:
-        extra = int(select_settings.get("align_steps", 30)) * int(select_settings.get("batch_size", 4)) + probe
+    select = settings["select"]
+    extra = select.align_steps * select.batch_size + select.probe_windows if parsed.needs_scoring else 0
+    data = [str(f) for f in files]
     limit = max_model_length(dense)
     if config.longest_window > limit:
         raise RetrofitError(f"windows of {config.longest_window} tokens (seq_len / stage2_lengths) are over the model's "
@@ -185,17 +185,17 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     pools = {}
     for length, count in plan.windows_needed(config, world).items():  # seq_len first: the scorer's windows too
         more = extra if length == config.seq_len else 0
-        pools[length] = token_windows(tokenizer, [str(f) for f in files], count + more, length,
+        pools[length] = token_windows(tokenizer, data, count + more, length,
                                       seed=config.seed + (0 if length == config.seq_len else length),
                                       show_progress=show_progress and rank == 0)
     windows = pools[config.seq_len]
     if parsed.needs_scoring:
-        scores = score_layers(dense, windows, layer_type=kind, align_steps=int(select_settings.get("align_steps", 30)),
-                              batch_size=int(select_settings.get("batch_size", 4)), probe_windows=probe,
-                              device=torch_device, show_progress=show_progress and rank == 0)
-        chosen = choose(scores, parsed.fraction, layout.num_layers)
+        ranking = rank_layers(dense, tokenizer, windows, data, kind, select, device=torch_device,
+                              show_progress=show_progress and rank == 0)
+        chosen = choose(ranking.scores, parsed.fraction, layout.num_layers)
         if rank == 0 and show_progress:
-            print(ranking_table(scores, chosen))
+            print(ranking_table(ranking.scores, chosen))
+            print(ranking.summary())
     else:
         chosen = list(parsed.indices)
     import torch.distributed as dist

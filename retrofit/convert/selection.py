@@ -2,20 +2,33 @@
 of either (``not:every:4``: all layers but every 4th, i.e. 3 of 4 layers converted), or a scored fraction
 (``fraction:0.5``).
 
-The scored selector ranks layers by what converting each one alone costs the whole model: every layer gets a GDN/KDA
-replacement initialised from its attention and briefly aligned to that attention's output (all layers at once, from
-one teacher pass per batch, as in distillation stage 1); then each aligned layer is swapped in alone and the KL
-divergence of the model's next-token distribution from the dense model's is measured on held-out calibration
-windows. Layers whose swap costs the least KL are converted. The probe accounts for both how well linear attention
-can mimic a layer and how much the rest of the network depends on it.
+The scored selector ranks layers by what converting each one alone costs the whole model, at short and at long
+context:
+
+- *short-window KL* (:mod:`retrofit.convert.layer_probe`): every layer gets a GDN/KDA replacement initialised from
+  its attention and briefly aligned to that attention's output (all layers at once, as in distillation stage 1);
+  then each aligned layer is swapped in alone and the KL divergence of the model's next-token distribution from
+  the dense model's is measured on held-out calibration windows. This accounts for both how well linear attention
+  can mimic a layer and how much the rest of the network depends on it, but only within one window;
+- *retrieval* (:mod:`retrofit.convert.retrieval_probe`): on needle prompts of 2K-8K tokens built from the
+  calibration text, how much of its attention each layer's best head puts on the planted number while the dense
+  model reads it back. A linear-attention layer cannot keep such exact long-range recall, which is what every
+  converted hybrid lost.
+
+The ranking cost is ``KL / mean(KL) + retrieval_weight * retrieval / mean(retrieval)`` (:class:`SelectSettings`);
+the layers of least cost are converted. ``retrieval_weight`` 0 gives the KL-only ranking.
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from dataclasses import dataclass
 
 import torch
 
+from retrofit.convert.retrieval_probe import RetrievalScores
+from retrofit.convert.select_settings import SelectSettings
 from retrofit.errors import RetrofitError
 
 
@@ -118,102 +131,182 @@ def layer_count(fraction: float, num_layers: int) -> int:
 
 @dataclass
 class LayerScore:
+    """What converting one layer costs. ``kl``: KL(dense || dense with only this layer converted), nats per token;
+    ``align_error``: relative MSE of the aligned layer against its attention; ``retrieval``: needle mass of the
+    layer's best head and ``copy_rate`` its best head's copy rate (:mod:`retrofit.convert.retrieval_probe`; None when
+    not probed); ``cost``: the ranking cost (:class:`SelectSettings`, ``retrieval_weight``)."""
+
     layer: int
-    kl: float  # KL(dense || dense with only this layer converted), nats per token
-    align_error: float  # relative MSE of the aligned layer against its attention output
+    kl: float
+    align_error: float
+    retrieval: float | None = None
+    copy_rate: float | None = None
+    cost: float = 0.0
 
 
 def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_steps: int = 30,
                  batch_size: int = 4, probe_windows: int = 8, lr: float = 1e-3, device=None,
-                 show_progress: bool = True, aligned: dict | None = None) -> list[LayerScore]:
+                 show_progress: bool = True, aligned: dict | None = None, retrieval: RetrievalScores | None = None,
+                 retrieval_weight: float = 0.0, seconds: dict | None = None) -> list[LayerScore]:
     """Score every layer of ``dense`` (see the module docstring) -> scores sorted from cheapest to costliest.
 
     windows: ``[N, L]`` calibration tokens; the last ``probe_windows`` are held out for the KL probe and the rest
-    feed the alignment (``align_steps`` steps of ``batch_size`` windows). If ``aligned`` is a dict, it receives
-    layer index -> the aligned replacement layer.
-    """
-    from retrofit.convert.build import to_hybrid
-    from retrofit.convert.data import BatchSampler
-    from retrofit.convert.objectives import AttentionCapture, LayerAligner, kl_loss, warmup_cosine
-    from retrofit.hybrid import HybridSection
-    from retrofit.model_info import attention_layout
+    feed the alignment (``align_steps`` steps of ``batch_size`` windows). ``retrieval``: the dense model's retrieval
+    scores (:func:`retrofit.convert.retrieval_probe.retrieval_head_scores`), combined into the cost with
+    ``retrieval_weight`` (:func:`combined_costs`). If ``aligned`` is a dict, it receives layer index -> the aligned
+    replacement layer; if ``seconds`` is a dict, it receives phase -> wall seconds.
 
-    layout = attention_layout(dense)
-    num_layers = layout.num_layers
+    Memory (:mod:`retrofit.convert.layer_probe`): the weights, the replacements with their gradients and AdamW
+    state, every layer's attention input and output for one alignment batch, one layer's autograd graph, and per
+    KL pass every layer's input and the dense log-probabilities for 1024 tokens (or one longer window) plus 512 rows
+    of the swapped model's logits; nothing grows with ``probe_windows`` or ``align_steps``. SmolLM2-135M on the CPU
+    with the defaults (``retrofit select smollm2-135m --fraction 0.25``, 8 needle probes of 2048 tokens included)
+    peaks at 3.15 GiB of process RSS, weights and tokenizer included, where it peaked at 12.96 GiB before this bound
+    (measured 2026-12-02); ``tests/test_select.py`` holds a small budget under 2.3 GiB.
+    """
+    from retrofit.convert.layer_probe import align_every_layer, alignment_errors, swap_kl
+
     device = device or next(dense.parameters()).device
     if windows.shape[0] <= probe_windows:
         raise RetrofitError(f"need more than {probe_windows} calibration windows to score layers; "
                             f"got {windows.shape[0]} (raise --tokens)")
+    if retrieval_weight > 0 and retrieval is None:
+        raise RetrofitError("retrieval_weight > 0 needs the retrieval scores of the dense model")
     train, probe = windows[:-probe_windows], windows[-probe_windows:].to(device)
-    everything = list(range(num_layers))
-    section = HybridSection(layers=everything, layer_type=layer_type, base_model_type=dense.config.model_type)
-    candidates = to_hybrid(dense, section)
-    replacements = {i: candidates.model.layers[i].self_attn for i in everything}
-    aligner = LayerAligner(replacements).train()
-    aligner.requires_grad_(True)
-    dense.requires_grad_(False)
-    opt = torch.optim.AdamW(aligner.parameters(), lr=lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(align_steps, 0.1))
-    sampler = BatchSampler(train, batch_size, seed=12345)
-    capture = AttentionCapture(dense, everything)
-    bar = range(align_steps)
-    if show_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(bar, desc="scoring: align every layer", unit="step")
-    try:
-        for step in bar:
-            records = capture.run(dense, sampler.batch(step).to(device))
-            loss = aligner(records)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(aligner.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if show_progress:
-                bar.set_postfix(rel_mse=f"{float(loss.detach()):.4f}")
-        aligner.eval().requires_grad_(False)
-        with torch.no_grad():
-            records = capture.run(dense, probe)
-            errors = {}
-            for i in everything:
-                rec = records[i]
-                out = replacements[i](hidden_states=rec["hidden_states"], position_embeddings=rec["position_embeddings"],
-                                      attention_mask=rec["attention_mask"])[0]
-                target = rec["target"].float()
-                errors[i] = float(((out.float() - target) ** 2).mean() / target.pow(2).mean().clamp_min(1e-12))
-    finally:
-        capture.remove()
-    scores = []
-    with torch.no_grad():
-        reference = dense(input_ids=probe, use_cache=False).logits
-        layers_iter = everything
-        if show_progress:
-            from tqdm import tqdm
-
-            layers_iter = tqdm(everything, desc="scoring: KL probe per layer", unit="layer")
-        for i in layers_iter:
-            block = dense.model.layers[i]
-            original = block.self_attn
-            block.self_attn = replacements[i]
-            try:
-                logits = dense(input_ids=probe, use_cache=False).logits
-            finally:
-                block.self_attn = original
-            scores.append(LayerScore(i, float(kl_loss(logits, reference)), errors[i]))
+    with _timed(seconds, "alignment"):
+        replacements = align_every_layer(dense, train, layer_type, align_steps, batch_size, lr, device, show_progress)
+    with _timed(seconds, "alignment error"):
+        errors = alignment_errors(dense, replacements, probe)
+    with _timed(seconds, "KL probe"):
+        kls = swap_kl(dense, replacements, probe, show_progress)
     if aligned is not None:
         aligned.update(replacements)
-    return sorted(scores, key=lambda s: (s.kl, s.layer))
+    return order_scores(kls, errors, retrieval, retrieval_weight)
+
+
+def order_scores(kls: dict[int, float], errors: dict[int, float], retrieval: RetrievalScores | None,
+                 retrieval_weight: float) -> list[LayerScore]:
+    """Layer -> KL and layer -> alignment error, with the retrieval scores (or None) -> :class:`LayerScore` list
+    from cheapest to costliest by :func:`combined_costs` (ties: lower KL, then lower index). With
+    ``retrieval_weight`` 0 this is the KL-only order, exactly."""
+    layers = sorted(kls)
+    needle = retrieval.layer_scores() if retrieval is not None else None
+    copies = retrieval.layer_copy_rates() if retrieval is not None else None
+    costs = combined_costs([kls[i] for i in layers], needle, retrieval_weight)
+    scores = [LayerScore(i, kls[i], errors[i], needle[i] if needle else None, copies[i] if copies else None, cost)
+              for i, cost in zip(layers, costs)]
+    return sorted(scores, key=lambda s: (s.cost, s.kl, s.layer))
+
+
+def combined_costs(kl: list[float], retrieval: list[float] | None, weight: float) -> list[float]:
+    """Per layer ``kl / mean(kl) + weight * retrieval / mean(retrieval)`` (a term whose mean is 0 adds nothing).
+
+    Each term is divided by its mean over the layers so that the two are comparable whatever their units; with
+    ``weight`` 0 the cost orders the layers exactly as ``kl`` does (ties broken by ``kl`` in the sort).
+    """
+    kl_mean = sum(kl) / len(kl)
+    costs = [k / kl_mean if kl_mean > 0 else 0.0 for k in kl]
+    if retrieval is None or weight == 0:
+        return costs
+    retrieval_mean = sum(retrieval) / len(retrieval)
+    if retrieval_mean <= 0:
+        return costs
+    return [c + weight * r / retrieval_mean for c, r in zip(costs, retrieval)]
+
+
+@dataclass
+class Ranking:
+    """A scored ranking and what it cost: ``scores`` (cheapest first), the dense model's ``retrieval`` scores (None
+    when not probed), the ``settings``, wall ``seconds`` per phase and the ``peak_bytes`` of memory (CUDA:
+    allocated tensors during scoring; CPU: the process's peak RSS, model loading included)."""
+
+    scores: list[LayerScore]
+    retrieval: RetrievalScores | None
+    settings: SelectSettings
+    seconds: dict[str, float]
+    peak_bytes: int
+    peak_kind: str
+
+    def summary(self) -> str:
+        """Lines under the ranking table: the cost formula, the retrieval probe's sanity numbers, the scoring cost."""
+        lines = [f"cost = KL / mean(KL) + {self.settings.retrieval_weight:g} x needle mass / mean(needle mass)"]
+        if self.retrieval is not None:
+            probes = self.settings.retrieval_probes
+            lines.append(f"retrieval probes: {probes} per context of {', '.join(map(str, self.retrieval.contexts))} "
+                         f"tokens; dense answer-token accuracy {100 * self.retrieval.answer_accuracy:.0f}%; a uniform "
+                         f"spread would put {self.retrieval.uniform_mass:.4f} on the needle")
+        phases = ", ".join(f"{name} {value:.1f} s" for name, value in self.seconds.items())
+        lines.append(f"scoring cost: {sum(self.seconds.values()):.1f} s ({phases}); peak memory "
+                     f"{self.peak_bytes / 2 ** 30:.2f} GiB ({self.peak_kind})")
+        return "\n".join(lines)
+
+
+def rank_layers(dense, tokenizer, windows: torch.Tensor, data: list[str], layer_type: str,
+                settings: SelectSettings, device=None, show_progress: bool = True,
+                aligned: dict | None = None) -> Ranking:
+    """Retrieval probes (from the calibration ``data``, when ``settings.retrieval_probes`` > 0), then
+    :func:`score_layers` on ``windows [N, L]`` with ``settings`` -> :class:`Ranking`."""
+    from retrofit.convert.retrieval_probe import needle_probes, retrieval_head_scores
+
+    device = device or next(dense.parameters()).device
+    limit = getattr(dense.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if settings.retrieval_probes and limit and settings.probe_context[-1] > limit:
+        raise RetrofitError(f"probe_context {settings.probe_context[-1]} exceeds the model's {limit} positions")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds: dict[str, float] = {}
+    retrieval = None
+    if settings.retrieval_probes:
+        with _timed(seconds, "retrieval probe"):
+            probes = [probe for context in settings.probe_context
+                      for probe in needle_probes(tokenizer, data, context, settings.retrieval_probes, settings.seed)]
+            retrieval = retrieval_head_scores(dense, probes, show_progress)
+    scores = score_layers(dense, windows, layer_type=layer_type, align_steps=settings.align_steps,
+                          batch_size=settings.batch_size, probe_windows=settings.probe_windows, lr=settings.lr,
+                          device=device, show_progress=show_progress, aligned=aligned, retrieval=retrieval,
+                          retrieval_weight=settings.retrieval_weight, seconds=seconds)
+    peak, kind = _peak_memory(device)
+    return Ranking(scores, retrieval, settings, seconds, peak, kind)
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they count): CUDA's peak allocation since the reset in :func:`rank_layers`, else the process's
+    peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocated"
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (peak if sys.platform == "darwin" else peak * 1024), "process peak RSS"  # Linux counts KiB, macOS bytes
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict | None, phase: str):
+    """Adds the block's wall seconds to ``seconds[phase]`` (nothing when ``seconds`` is None)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
 def ranking_table(scores: list[LayerScore], chosen: list[int] | None = None) -> str:
-    """Markdown table of the ranking (cheapest first)."""
+    """Markdown table of the ranking (cheapest first): KL, alignment error, retrieval (needle mass and copy rate of
+    the layer's best head; ``-`` when not probed), the ranking cost and the layers chosen for conversion."""
     chosen = set(chosen or [])
-    lines = ["| rank | layer | KL if converted (nats/token) | aligned rel. MSE | selected |",
-             "|---:|---:|---:|---:|:---:|"]
+    lines = ["| rank | layer | KL if converted (nats/token) | aligned rel. MSE | needle mass (best head) "
+             "| copy rate (best head) | cost | converted |",
+             "|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for rank, s in enumerate(scores, 1):
-        lines.append(f"| {rank} | {s.layer} | {s.kl:.4f} | {s.align_error:.4f} | {'x' if s.layer in chosen else ''} |")
+        lines.append(f"| {rank} | {s.layer} | {s.kl:.4f} | {s.align_error:.4f} | {_optional(s.retrieval)} | "
+                     f"{_optional(s.copy_rate)} | {s.cost:.3f} | {'x' if s.layer in chosen else ''} |")
     return "\n".join(lines)
+
+
+def _optional(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def choose(scores: list[LayerScore], fraction: float, num_layers: int) -> list[int]:

@@ -1,0 +1,95 @@
+"""Running a model's softmax attention through a function of ours, for the length of a ``with`` block only.
+
+transformers dispatches attention through ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` and builds masks
+through ``ALL_MASK_ATTENTION_FUNCTIONS`` under the same name. :func:`attention_function` registers a function under a
+private name (with the mask function of the model's own implementation, so masks are built exactly as before),
+points every attention config of the model at it, and undoes all of it on exit, exceptions included. Sparse decoding
+(``retrofit.sparse``), Seer gate training and the retrieval probe of scored layer selection
+(``retrofit.convert.retrieval_probe``) use it; nothing is patched at import time.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+def softmax_attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """layer index -> attention module, for the layers that run standard transformers softmax attention.
+
+    A module counts when it is a transformers attention module with q/k/v/o projections and a ``layer_idx``, and the
+    config does not mark its layer as sliding-window. Converted (linear-attention) layers are skipped.
+    """
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    found: dict[int, torch.nn.Module] = {}
+    for _, module in model.named_modules():
+        if not all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim")):
+            continue
+        if not type(module).__module__.startswith("transformers.models."):
+            continue
+        idx = module.layer_idx
+        if idx < len(layer_types) and layer_types[idx] not in ("full_attention", "attention"):
+            continue
+        found.setdefault(idx, module)
+    return dict(sorted(found.items()))
+
+
+def implementation_of(model: torch.nn.Module) -> str:
+    """The attention implementation the model runs now (``eager``, ``sdpa``, ...)."""
+    return model.config._attn_implementation or "eager"
+
+
+def dense_attention(implementation: str, module, query, key, value, attention_mask, **kwargs):
+    """Run attention implementation ``implementation`` (as transformers would) for ``module``; ``eager`` is the
+    modeling file's own ``eager_attention_forward``."""
+    if implementation == "eager":
+        function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    else:
+        function = ALL_ATTENTION_FUNCTIONS[implementation]
+    return function(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attention_configs(model: torch.nn.Module) -> list[Any]:
+    configs, stack = [], [model.config]
+    while stack:
+        config = stack.pop()
+        if any(config is seen for seen in configs):
+            continue
+        configs.append(config)
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+                stack.append(sub)
+    return configs
+
+
+def mask_function_of(model: torch.nn.Module) -> Callable:
+    """The function transformers builds the model's attention masks with now (its implementation's)."""
+    return ALL_MASK_ATTENTION_FUNCTIONS[implementation_of(model)]
+
+
+@contextmanager
+def attention_function(model: torch.nn.Module, function: Callable, tag: str,
+                       mask_function: Callable | None = None) -> Iterator[str]:
+    """Inside the block, every softmax-attention call of ``model`` goes to ``function(module, query, key, value,
+    attention_mask, **kwargs)`` (transformers' attention interface) and masks are built by ``mask_function``
+    (transformers' mask interface; default: the model's own, so masks are exactly as before); yields the private
+    name both are registered under (``retrofit_<tag>_<id>``)."""
+    name = f"retrofit_{tag}_{id(function):x}"
+    saved = [(config, config.__dict__.get("_attn_implementation_internal")) for config in _attention_configs(model)]
+    ALL_ATTENTION_FUNCTIONS._global_mapping[name] = function
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = mask_function or mask_function_of(model)
+    try:
+        for config, _ in saved:
+            config.__dict__["_attn_implementation_internal"] = name
+        yield name
+    finally:
+        for config, value in saved:
+            config.__dict__["_attn_implementation_internal"] = value
+        ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
