@@ -25,13 +25,17 @@ convert)
     [ -f "runs/$name.train/train_state.pt" ] && resume=(--resume)
     (
       start=$(date +%s)
-      retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "runs/$name" --device cuda --quiet \
-        --no-report --max-minutes "$minutes" "${resume[@]}" >"$out/convert_$name.log" 2>&1
-      code=$?
+      retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "runs/$name" --device cuda \
+        --no-report --max-minutes "$minutes" "${resume[@]}" 2>&1 | tr '\r' '\n' >>"$out/convert_$name.log"
+      code=${PIPESTATUS[0]}
       echo "convert $name exit $code after $(( $(date +%s) - start )) s" | tee -a "$out/convert_$name.log"
     ) &
   done
   wait
+  for recipe in "$@"; do  # where each run stands: its last progress line
+    name=$(basename "$recipe" .yaml)
+    echo "$name: $(grep -a -E '^(stage|scoring)' "$out/convert_$name.log" | grep -a '/' | tail -1)"
+  done
   ;;
 report)
   evaldir=${2:?EVAL_DIR}; seeds=${3:?SEEDS}; shift 3
