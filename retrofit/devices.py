@@ -47,3 +47,22 @@ def is_first_process() -> bool:
     import os
 
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes: the kernel's high-water mark of its own address space
+    (``VmHWM`` in ``/proc/self/status``). ``getrusage``'s ``ru_maxrss`` is only the fallback (macOS, no /proc): on
+    Linux it also keeps the peak of the image a process replaced by exec, so a command started by a large parent
+    (a test run holding models) would report the parent's memory as its own."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux counts KiB, macOS bytes

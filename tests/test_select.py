@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from retrofit.convert.distill import kl_loss
 from retrofit.convert.retrieval_probe import answer_row_attention, needle_probes
 from retrofit.convert.select_settings import SelectSettings
 from retrofit.convert.selection import (choose, combined_costs, layer_count, parse_layer_spec, rank_layers,
-                                        order_scores, ranking_table, score_layers)
+                                        order_scores, ranking_table)
 from retrofit.errors import RetrofitError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -306,7 +305,9 @@ def test_recipe_select_settings_reach_the_selector_of_convert(smollm2, calib_dat
     assert json.loads((out / "config.json").read_text())["retrofit"]["layers"] == [first]
 
 
-# The select command with a small budget in its own process, its peak RSS read from the kernel (wait4). Measured on
+# The select command with a small budget in its own process, its peak RSS as it prints it: the kernel's high-water mark
+# of its own address space (VmHWM; getrusage of the child would also count the test process it was forked from, which
+# holds models by then: 3.92 GiB seen in a full run). Measured on
 # 2026-12-02 with these options: 1.85 GiB (the model loads at 0.58 GiB; then the tokenizer and calibration text, the
 # 30 replacement layers with gradients and AdamW state, one layer's alignment graph at 8 x 128 tokens, one window of
 # the probe's log-probabilities). Before the probe was bounded, the same options without the retrieval ones peaked
@@ -325,22 +326,14 @@ def test_select_command_prints_the_ranking_within_its_memory_bound(calib_data_di
     command = [sys.executable, "-c", "from retrofit._entry import main; main()", "select", "smollm2-135m",
                "--fraction", "0.25", "--data", str(calib_data_dir), *SMALL_COMMAND]
     with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path)
-        watchdog = threading.Timer(600, process.kill)
-        watchdog.start()
-        try:
-            _, status, usage = os.wait4(process.pid, 0)
-        finally:
-            watchdog.cancel()
-    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        process = subprocess.run(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path, timeout=600)
     assert process.returncode == 0, err.read_text()[-3000:]
-    peak_gib = usage.ru_maxrss * 1024 / 2 ** 30  # Linux reports KiB
-    assert peak_gib < MEMORY_BOUND_GIB, f"peak RSS {peak_gib:.2f} GiB"
     printed = out.read_text()
+    cost = re.search(r"scoring cost: ([\d.]+) s \(.*\); peak memory ([\d.]+) GiB \(process peak RSS\)", printed)
+    assert cost and float(cost.group(1)) > 0
+    peak_gib = float(cost.group(2))
+    assert 0.5 < peak_gib < MEMORY_BOUND_GIB, f"peak RSS {peak_gib:.2f} GiB"  # above 0.5: the model alone is 0.58
     rows = re.findall(r"^\| (\d+) \| (\d+) \| .* \|$", printed, flags=re.M)
     assert [int(rank) for rank, _ in rows] == list(range(1, 31))
     assert sorted(int(layer) for _, layer in rows) == list(range(30))
     assert re.search(r"^--layers (\d+,){7}\d+$", printed, flags=re.M)  # round(0.25 * 30) = 8 layers
-    cost = re.search(r"scoring cost: ([\d.]+) s \(.*\); peak memory ([\d.]+) GiB \(process peak RSS\)", printed)
-    assert cost and float(cost.group(1)) > 0
-    assert float(cost.group(2)) == pytest.approx(peak_gib, abs=0.01)  # the command's own report is the kernel's

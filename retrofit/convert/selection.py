@@ -274,11 +274,9 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
     peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "CUDA allocated"
-    import resource
-    import sys
+    from retrofit.devices import peak_rss_bytes
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (peak if sys.platform == "darwin" else peak * 1024), "process peak RSS"  # Linux counts KiB, macOS bytes
+    return peak_rss_bytes(), "process peak RSS"
 
 
 @contextlib.contextmanager

@@ -18,8 +18,6 @@ on the CPU), converted layers, recipe.
 from __future__ import annotations
 
 import contextlib
-import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Iterator
 import torch
 
 from retrofit.cliargs import parse_lengths
+from retrofit.devices import peak_rss_bytes
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.tasks import DATA_FILES, FILE_TASKS, EvalSettings, Job, build_jobs, resolve_task, task_data_files
@@ -196,10 +195,6 @@ class ConversionCost:
     peak_rss_bytes: int = 0
 
 
-def max_rss_bytes() -> int:
-    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 @contextlib.contextmanager
@@ -211,7 +206,7 @@ def measure_conversion(device: torch.device) -> Iterator[ConversionCost]:
     began = time.perf_counter()
     yield cost
     cost.seconds = time.perf_counter() - began
-    cost.peak_rss_bytes = max_rss_bytes()
+    cost.peak_rss_bytes = peak_rss_bytes()
     if device.type == "cuda":
         cost.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
         cost.peak_memory_measure = f"torch.cuda.max_memory_allocated({device})"
