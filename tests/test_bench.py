@@ -77,6 +77,7 @@ def test_bench_cli_json_and_table(tmp_path):
     assert [(p["context"], p["batch"]) for p in points] == [(32, 1), (32, 2), (64, 1), (64, 2)]
     assert all(p["variant"] == "dense" and p["error"] is None for p in points)
     assert payload["config"]["layers"] == 2 and payload["config"]["dtype"] == "float32"
+    assert payload["config"]["complete"] is True
     lines = result.stdout.splitlines()
     assert lines[0].startswith("| variant | engine | context | batch | prefill s |")
     assert len([line for line in lines if line.startswith("| dense |")]) == 4
@@ -177,6 +178,21 @@ def test_run_bench_releases_each_variant_before_the_next_opens():
     assert [p.variant for p in points] == ["dense", "convert:gdn:0", "convert:gdn:1"]
     # when the second converted model is built, the first one (its new layers) is already gone
     assert alive_at_open == [[], [False]]
+
+
+def test_run_bench_reports_every_point_as_it_is_measured_so_a_crash_keeps_them():
+    model = build_random_model("smollm2-135m", torch.float32, torch.device("cpu"), layers=2)
+
+    @contextlib.contextmanager
+    def crashing(dense, tokenizer):
+        raise RuntimeError("the variant fails to open")
+        yield dense
+
+    seen: list[list[tuple[str, int]]] = []
+    with pytest.raises(RuntimeError, match="fails to open"):
+        run_bench(model, [Variant("crashing", crashing)], None, [16, 32], [1], 1,
+                  on_point=lambda points: seen.append([(p.variant, p.context) for p in points]))
+    assert seen == [[("dense", 16)], [("dense", 16), ("dense", 32)]]
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -119,8 +119,6 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run
     check_lengths(model, context_list, decode_tokens)
     bandwidth = copy_bandwidth(torch_device)
-    points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens, engine=engine,
-                       repeats=repeats, warmup=warmup, bandwidth=bandwidth)
     config = {"model": model_or_config, "source": source, "layers": model.config.num_hidden_layers,
               "contexts": context_list, "batches": batch_list, "decode_tokens": decode_tokens,
               "engine": engine, "repeats": repeats, "warmup": warmup, "copy_bandwidth_bytes_per_s": bandwidth,
@@ -131,8 +129,16 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
               "versions": library_versions()}
     if torch_device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(torch_device)
-    if json_path is not None:
-        write_json(json_path, {"results": [point.to_json() for point in points], "config": config})
+
+    def save(points, complete: bool) -> None:
+        if json_path is not None:  # rewritten after every point: a run cut short keeps what it measured
+            write_json(json_path, {"results": [point.to_json() for point in points],
+                                   "config": {**config, "complete": complete}})
+
+    points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens, engine=engine,
+                       repeats=repeats, warmup=warmup, bandwidth=bandwidth,
+                       on_point=lambda points: save(points, complete=False))
+    save(points, complete=True)
     click.echo(markdown_table(points, variant_notes(details), bandwidth))
 
 

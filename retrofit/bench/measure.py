@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -236,9 +237,12 @@ def warm_up(model, engine: str = "retrofit") -> None:
 
 
 def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int], decode_tokens: int,
-              engine: str = "retrofit", repeats: int = 1, warmup: int = 0, bandwidth: float | None = None
-              ) -> list[BenchPoint]:
+              engine: str = "retrofit", repeats: int = 1, warmup: int = 0, bandwidth: float | None = None,
+              on_point: Callable[[list[BenchPoint]], None] | None = None) -> list[BenchPoint]:
     """Every (variant, context, batch) point, dense first; an out-of-memory point is recorded, not fatal.
+
+    on_point(points so far) runs after every point, so that a run cut short (a time limit, a crash in a later
+    variant) still leaves what it measured.
 
     Variants run one at a time: whatever a variant built (a converted model's new layers) is released, and on CUDA
     the allocator's cache emptied, before the next one opens."""
@@ -247,8 +251,14 @@ def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int
     points = []
     device = next(model.parameters()).device
     settings = dict(engine=engine, repeats=repeats, warmup=warmup, bandwidth=bandwidth)
+
+    def record(point: BenchPoint) -> None:
+        points.append(point)
+        if on_point is not None:
+            on_point(list(points))
+
     for variant in [dense(), *variants]:
-        points += _measure_variant(model, variant, tokenizer, contexts, batches, decode_tokens, device, settings)
+        _measure_variant(model, variant, tokenizer, contexts, batches, decode_tokens, device, settings, record)
         gc.collect()  # the variant's model is unreachable once _measure_variant returned
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -256,20 +266,18 @@ def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int
 
 
 def _measure_variant(model, variant, tokenizer, contexts: list[int], batches: list[int], decode_tokens: int,
-                     device: torch.device, settings: dict) -> list[BenchPoint]:
-    points = []
+                     device: torch.device, settings: dict, record: Callable[[BenchPoint], None]) -> None:
     with variant.open(model, tokenizer) as measured:
         warm_up(measured, settings["engine"])
         for context in contexts:
             for batch in batches:
                 try:
-                    points.append(measure_point(measured, variant.name, context, batch, decode_tokens, **settings))
+                    point = measure_point(measured, variant.name, context, batch, decode_tokens, **settings)
                 except torch.OutOfMemoryError as error:
-                    points.append(failed_point(variant.name, context, batch, decode_tokens,
-                                               f"out of memory: {str(error).splitlines()[0][:120]}",
-                                               settings["engine"]))
+                    point = failed_point(variant.name, context, batch, decode_tokens,
+                                         f"out of memory: {str(error).splitlines()[0][:120]}", settings["engine"])
                 finally:
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    return points
+                record(point)
