@@ -89,6 +89,29 @@ def test_replays_allocate_nothing_and_launch_one_graph_per_token(cuda_model, var
     assert kernel_launches == 0  # every kernel of a step runs inside the graph
 
 
+@pytest.mark.parametrize("variant", ["dense", "convert:gdn:not:every:4", "convert:kda:not:every:4"])
+def test_a_second_call_of_the_same_bucket_replays_the_first_calls_graph(cuda_model, variant):
+    """No capture and no new cache in the second call: its prompt (another length, the same 512 bucket) goes
+    into the first call's tensors and the first call's graph replays from the first decode step on."""
+    from retrofit.generation import kept_generation, release
+
+    ids, mask = _prompt()
+    other_ids, other_mask = ids[:, 20:].flip(0).contiguous(), mask[:, 20:].flip(0).contiguous()
+    with _opened(cuda_model, variant) as model:
+        release(model)
+        retrofit.generate(model, ids, mask, max_new_tokens=40, eos_token_id=[], pad_token_id=0, cuda_graph=True)
+        first = kept_generation(model)
+        assert first is not None and first.captured is not None
+        reused = retrofit.generate(model, other_ids, other_mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0,
+                                   cuda_graph=True)
+        second = kept_generation(model)
+        assert second.captured is first.captured and second.generation is first.generation
+        fresh = retrofit.generate(model, other_ids, other_mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0,
+                                  cuda_graph=False, keep_state=False)
+        release(model)
+    assert torch.equal(reused, fresh), (reused != fresh).sum()
+
+
 def test_retrieval_runs_eagerly_on_cuda(cuda_model):
     pytest.importorskip("faiss")
     ids, mask = _prompt()

@@ -5,14 +5,16 @@
 ``inputs.py`` (what is asked, checked before any model work), ``engine.py`` (the static cache, the chunked prefill and
 the decode step that touches only device tensors), ``sampling.py`` (greedy / seeded top-p sampling on the device),
 ``graphs.py`` (the step captured as a CUDA graph), ``generate.py`` (the loop: host reads every K tokens),
+``kept.py`` (the last call's cache and graph, kept per model for the next call of the same shape),
 ``streaming.py`` (text to a file as it comes, for ``retrofit generate``).
 """
 from retrofit.generation.engine import CAPACITY_QUANTUM, StaticGeneration, cache_capacity
 from retrofit.generation.generate import DecodeLoop, generate
+from retrofit.generation.kept import kept_generation, release
 from retrofit.generation.inputs import (SamplingOptions, build_prompt_ids, cache_keyword, checked_prompt,
                                         eos_token_ids, left_padded, pad_token_id)
 from retrofit.generation.streaming import WriterStreamer, stream_generate
 
 __all__ = ["CAPACITY_QUANTUM", "DecodeLoop", "SamplingOptions", "StaticGeneration", "WriterStreamer",
            "build_prompt_ids", "cache_capacity", "cache_keyword", "checked_prompt", "eos_token_ids", "generate",
-           "left_padded", "pad_token_id", "stream_generate"]
+           "kept_generation", "left_padded", "pad_token_id", "release", "stream_generate"]

@@ -72,8 +72,9 @@ class StaticGeneration:
     """One batch of generation over a static cache (see the module docstring).
 
     ``input_ids [B, T]`` / ``attention_mask [B, T]`` (left-padded, checked by the caller), ``max_new_tokens`` N,
-    ``chooser`` (greedy or sampling), ``eos`` and ``pad`` token ids. Attributes after :meth:`prefill`: ``out [B, N]``
-    (the new tokens, ``pad`` after a row's end), ``finished_at [B]`` (index of each row's end token, N if none).
+    ``chooser`` (greedy or sampling), ``eos`` and ``pad`` token ids. Attributes after :meth:`prefill`: ``out [B, C]``
+    (C the cache capacity; the new tokens in its first N columns, ``pad`` after a row's end), ``finished_at [B]``
+    (index of each row's end token, N if none).
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
@@ -81,32 +82,59 @@ class StaticGeneration:
         if prefill_chunk <= 0:
             raise RetrofitError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.model = model
-        self.input_ids, self.attention_mask = input_ids, attention_mask
-        self.batch, self.prompt_length = input_ids.shape
-        self.max_new_tokens = max_new_tokens
+        self.batch = input_ids.shape[0]
         self.chooser, self.pad, self.prefill_chunk = chooser, pad, prefill_chunk
         self.device = input_ids.device
         self.session: SparseSession | None = active_session(model)
-        self.capacity = cache_capacity(self.prompt_length + max_new_tokens)
+        self.capacity = cache_capacity(input_ids.shape[1] + max_new_tokens)
         self.cache = self._new_cache()
         self.cache_argument = cache_keyword(model)
         self.implementation = (self.session.original_implementation if self.session is not None
                                else implementation_of(model))
         self.base_mask = mask_function_of(model)
-        self.chunk_start = self.chunk_end = 0
         self.all_blocks: AllBlocks | None = None
         self.positions_of_buffer: torch.Tensor | None = None
-        # the device state a decode step reads and updates in place
+        # the device state a decode step reads and updates in place; sized by the cache's capacity, not by this
+        # batch's prompt, so that :meth:`load` can put another batch of the same bucket into the same tensors
         device, B = self.device, self.batch
-        self.row_start = (self.prompt_length - attention_mask.sum(-1)).to(torch.int32)
+        self.row_start = torch.zeros(B, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(B, dtype=torch.long, device=device)
-        self.positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]: each row's next position (real tokens only)
-        self.out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)  # each row's next position (real tokens)
+        self.out = torch.full((B, self.capacity), pad, dtype=torch.long, device=device)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
-        self.finished_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        self.finished_at = torch.zeros(B, dtype=torch.long, device=device)
         self.eos = torch.tensor(eos, dtype=torch.long, device=device)
+        self._load_rows(input_ids, attention_mask, max_new_tokens)
+
+    def _load_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.prompt_length = input_ids.shape[1]
+        self.max_new_tokens = max_new_tokens
+        self.row_start.copy_(self.prompt_length - attention_mask.sum(-1))
+        self.positions.copy_(attention_mask.sum(-1, keepdim=True))
+        self.tokens.zero_()
+        self.out.fill_(self.pad)
+        self.step_index.zero_()
+        self.finished.zero_()
+        self.finished_at.fill_(max_new_tokens)
         self.steps_done = 0  # decode steps run (host count: the engine drives every step)
+        self.chunk_start = self.chunk_end = 0
+
+    def can_load(self, input_ids: torch.Tensor, max_new_tokens: int) -> bool:
+        """Whether another batch fits this generation's tensors: the same batch size, device and cache bucket."""
+        return (input_ids.shape[0] == self.batch and input_ids.device == self.device
+                and cache_capacity(input_ids.shape[1] + max_new_tokens) == self.capacity)
+
+    def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> None:
+        """Make this generation run another batch (``can_load`` must hold): the cache emptied and every device
+        tensor of the step rewritten in place, so that a decode step captured for the previous batch replays
+        correctly for this one."""
+        if not self.can_load(input_ids, max_new_tokens):
+            raise RetrofitError(f"a batch of {tuple(input_ids.shape)} + {max_new_tokens} new tokens does not fit a "
+                                f"generation of batch {self.batch} and capacity {self.capacity}")
+        self.cache.reset()
+        self._load_rows(input_ids, attention_mask, max_new_tokens)
 
     def _new_cache(self):
         if self.session is not None:

@@ -11,7 +11,9 @@ from retrofit.generation.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_STOP_CHECK
 from retrofit.generation.graphs import CapturedStep, warm_up
 from retrofit.generation.inputs import SamplingOptions, checked_prompt, eos_token_ids
 from retrofit.generation.inputs import pad_token_id as default_pad_token_id
+from retrofit.generation.kept import KeptGeneration, keep, reuse_key, take
 from retrofit.generation.sampling import TokenChooser
+from retrofit.sparse.patch import active_session
 
 
 def graphs_wanted(generation: StaticGeneration, cuda_graph: bool | None) -> bool:
@@ -35,10 +37,12 @@ class DecodeLoop:
     rest as replays of a captured graph; the host reads the device only every ``stop_check_every`` steps."""
 
     def __init__(self, generation: StaticGeneration, stop_check_every: int = DEFAULT_STOP_CHECK_EVERY,
-                 use_graph: bool = False, streamer=None):
+                 use_graph: bool = False, streamer=None, captured: CapturedStep | None = None):
+        """``captured``: the step already captured for this generation's tensors (by an earlier batch loaded into
+        them): every step replays it, the first one too."""
         self.generation, self.stop_check_every, self.use_graph = generation, stop_check_every, use_graph
         self.streamer = streamer
-        self.captured: CapturedStep | None = None
+        self.captured = captured
         self.streamed = 0
 
     def run(self, steps: int, stop_at_end: bool = True) -> None:
@@ -57,11 +61,12 @@ class DecodeLoop:
         generation = self.generation
         if not self.use_graph:
             generation.step()
+        elif self.captured is not None:
+            self.captured.replay()
         elif generation.steps_done == 0:
             warm_up(generation.step, generation.device)  # the first step runs eagerly: kernels compile, ring built
         else:
-            if self.captured is None:
-                self.captured = CapturedStep(generation.step, generation.device, generation.chooser.generator)
+            self.captured = CapturedStep(generation.step, generation.device, generation.chooser.generator)
             self.captured.replay()
 
     def _check(self) -> bool:
@@ -91,7 +96,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              do_sample: bool = False, temperature: float | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, streamer: Any = None, seed: int | None = None, *,
              pad_token_id: int | None = None, stop_check_every: int = DEFAULT_STOP_CHECK_EVERY,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cuda_graph: bool | None = None) -> torch.Tensor:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cuda_graph: bool | None = None,
+             keep_state: bool = True) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` after ``input_ids [B, T]`` -> ``[B, T + N]`` (prompt first), as
     transformers' ``model.generate`` would with the same options (greedy tokens are identical).
 
@@ -104,6 +110,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     The prompt runs in chunks of ``prefill_chunk`` tokens (activation memory bounded by one chunk). On CUDA the
     decode step is captured as a CUDA graph and replayed (``cuda_graph``: None = on CUDA when the sparse method
     allows it). Works the same inside ``retrofit.sparse_decoding(model, ...)``, which then selects in its layers.
+
+    With ``keep_state`` (default), greedy decoding outside a sparse session keeps the static cache and the captured
+    step on the side for the model's next call of the same batch size and cache-length bucket (prompt + new tokens
+    rounded up to 256 positions), which then only loads its prompt and replays; one state per model, freed by a
+    call of another shape, by the model's deletion, or by ``retrofit.generation.release(model)``.
     """
     input_ids, attention_mask = checked_prompt(model, input_ids, attention_mask, max_new_tokens)
     options = SamplingOptions.checked(do_sample, temperature, top_p, seed)
@@ -113,14 +124,27 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise RetrofitError(f"a streamer takes one row at a time; the batch has {input_ids.shape[0]}")
     eos = resolve_eos(model, eos_token_id)
     pad = default_pad_token_id(model=model) if pad_token_id is None else int(pad_token_id)
-    generation = StaticGeneration(model, input_ids, attention_mask, max_new_tokens,
-                                  TokenChooser(options, input_ids.device), eos, pad, prefill_chunk)
+    # greedy decoding outside a sparse session reuses the previous call's cache and graph (retrofit.generation.kept)
+    keepable = keep_state and not options.do_sample and active_session(model) is None
+    key = reuse_key(model, (tuple(eos), pad, prefill_chunk, cuda_graph)) if keepable else None
+    kept = take(model, key, input_ids, max_new_tokens)  # frees a kept state that does not fit (or is not wanted)
+    if kept is not None:
+        generation = kept.generation
+        generation.model = model
+        generation.load(input_ids, attention_mask, max_new_tokens)
+    else:
+        generation = StaticGeneration(model, input_ids, attention_mask, max_new_tokens,
+                                      TokenChooser(options, input_ids.device), eos, pad, prefill_chunk)
     use_graph = graphs_wanted(generation, cuda_graph)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    loop = DecodeLoop(generation, stop_check_every, use_graph, streamer, kept.captured if kept else None)
     with generation.installed():
         generation.prefill()
-        DecodeLoop(generation, stop_check_every, use_graph, streamer).run(max_new_tokens - 1)
+        loop.run(max_new_tokens - 1)
     if streamer is not None:
         streamer.end()
-    return torch.cat([input_ids, generation.out[:, : generation.produced()]], dim=1)
+    tokens = torch.cat([input_ids, generation.out[:, : generation.produced()]], dim=1)
+    if keepable:
+        keep(model, KeptGeneration(key, generation, loop.captured))
+    return tokens
