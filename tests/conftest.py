@@ -15,6 +15,13 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU only through the interpreter; it must be set before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (-n 2 on 2 cores) each worker and the processes it starts get one thread: two workers of
+    # two threads each oversubscribe the cores, and OpenMP's barriers then cost far more than the second thread
+    # gains (see one_cpu_thread).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("RETROFIT_SHARED_DATA", REPO.parent / "shared" / "data"))
 

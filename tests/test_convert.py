@@ -245,15 +245,18 @@ def test_cli_reports_bad_input_on_one_line_with_exit_code_2(run_cli, calib_data_
 STAGE2_ONLY = dict(layers="27", tokens=256, seq_len=32, stage1_fraction=0.0, checkpoint_every=0)  # 4 stage-2 steps
 
 
-def _stage2_one_process(smollm2, calib_data_dir, out):
-    """The reference for the multi-process runs: 1 process, 2 windows per step, stage 2 only, on walden.txt."""
+@pytest.fixture(scope="module")
+def stage2_one_process(smollm2, calib_data_dir, tmp_path_factory):
+    """The reference weights for the multi-process runs: 1 process, 2 windows per step, stage 2 only, on walden.txt."""
+    out = tmp_path_factory.mktemp("stage2") / "one"
     convert(smollm2, recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir / "walden.txt")], batch_size=2,
             out=out, show_progress=False, device="cpu", **STAGE2_ONLY)
+    return load_file(out / "model.safetensors")
 
 
 def _torchrun_convert(calib_data_dir, cwd, *options):
     """``torchrun --nproc-per-node 2 -m retrofit.convert.command convert smollm2-135m`` on 2 CPU processes (gloo),
-    1 window per process per step, with the settings of :func:`_stage2_one_process` plus ``options``."""
+    1 window per process per step, with the settings of :func:`stage2_one_process` plus ``options``."""
     import os
     import socket
     import subprocess
@@ -276,14 +279,13 @@ def _torchrun_convert(calib_data_dir, cwd, *options):
         capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
 
 
-def test_ddp_two_processes_match_one_process(smollm2, calib_data_dir, tmp_path):
+def test_ddp_two_processes_match_one_process(stage2_one_process, calib_data_dir, tmp_path):
     """torchrun with 2 CPU processes (gloo), 1 window each, ends where 1 process with 2 windows per step ends: the
     batches are sharded by rank and DDP averages the gradients. Stage 2 only, where the loss is a per-token mean
     (stage 1's relative MSE is normalised per batch, so its shards are not exactly additive)."""
-    _stage2_one_process(smollm2, calib_data_dir, tmp_path / "one")
     result = _torchrun_convert(calib_data_dir, tmp_path, "--out", tmp_path / "two")
     assert result.returncode == 0, result.stderr[-3000:]
-    one = load_file(tmp_path / "one" / "model.safetensors")
+    one = stage2_one_process
     two = load_file(tmp_path / "two" / "model.safetensors")
     assert one.keys() == two.keys()
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
@@ -295,11 +297,10 @@ def test_ddp_two_processes_match_one_process(smollm2, calib_data_dir, tmp_path):
     assert section["layers"] == [27] and section["distillation"]["stage2_steps"] == 4
 
 
-def test_fsdp_two_processes_paused_and_resumed_match_one_process(smollm2, calib_data_dir, tmp_path):
+def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_process, calib_data_dir, tmp_path):
     """``--parallel fsdp`` (FSDP2 fully_shard) on 2 CPU processes, paused by its time budget after the first of 4
     stage-2 steps and resumed from that checkpoint, ends where one uninterrupted process ends. The checkpoint holds
     full (unsharded) plain tensors under one-process names, and resuming re-shards them (weights and AdamW state)."""
-    _stage2_one_process(smollm2, calib_data_dir, tmp_path / "one")
     out = tmp_path / "fsdp"
     paused = _torchrun_convert(calib_data_dir, tmp_path, "--parallel", "fsdp", "--max-minutes", "0", "--out", out)
     # each rank exits with code 3 (time budget reached, checkpoint written); torchrun reports a failed group
@@ -309,7 +310,7 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(smollm2, calib_
     assert (state["stage"], state["step"], state["fingerprint"]["config"]["parallel"]) == (2, 1, "fsdp")
     # the paused part's wall time is kept for the summary of the finished run ("minutes (all parts)")
     assert float((work_dir_for(out) / "elapsed_seconds").read_text()) > 0
-    one = load_file(tmp_path / "one" / "model.safetensors")
+    one = stage2_one_process
     converted = {name: value for name, value in state["model"].items() if "lora_" not in name}
     assert converted and all(name.startswith("base_model.model.model.layers.27.self_attn.") for name in converted)
     for name, value in converted.items():  # full shapes, plain tensors: the layout a one-process run saves

@@ -156,9 +156,10 @@ def test_kept_forward_intermediates_give_the_recomputed_gradients(kind, h0, monk
     # STORE_T in both cases) on the same inputs as its recomputation in the backward, and the kernels are
     # deterministic (no atomics), so the backward kernels read identical bits. The outputs too: STORE_T only adds
     # the stores of T^-1 to _solve_wy.
-    inputs = make_inputs(kind, 1, 75, 3, 32, 16, h0=h0, seed=11)
+    # one head: the interpreter's time grows with the heads, and test_matches_reference_fp32 covers three
+    inputs = make_inputs(kind, 1, 75, 1, 32, 16, h0=h0, seed=11)
     gen = torch.Generator().manual_seed(2)
-    do, dht = torch.randn(1, 75, 3, 16, generator=gen), torch.randn(1, 3, 32, 16, generator=gen)
+    do, dht = torch.randn(1, 75, 1, 16, generator=gen), torch.randn(1, 1, 32, 16, generator=gen)
     settings = [s for s in KEEP_SETTINGS if kind == "kda" or "kda_intra" not in s]
     results = {}
     for setting in settings:
