@@ -7,7 +7,7 @@ made once for the module (see ``bad_files``); rows run in table order and none n
 from __future__ import annotations
 
 import json
-import os
+import random
 import shutil
 import textwrap
 from pathlib import Path
@@ -146,6 +146,8 @@ ROWS = [
     (["gates", "smollm2-135m", "--data", "{random_text}", "--out", "{missing}.gates"], "not UTF-8 text"),
     (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{empty_dir}"], "is a directory"),
     (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{missing}.gates", "--resume"], "--resume: no checkpoint"),
+    (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{damaged_gates}", "--resume"],
+     "not a readable gate-training checkpoint"),
     # --- output files named on the command line: a directory where a file is written is refused before any work
     (["eval", "smollm2-135m", "--tasks", "piqa", "--json", "{empty_dir}", *EVAL], "is a directory"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--log-samples", "{empty_dir}", *EVAL], "is a directory"),
@@ -214,11 +216,13 @@ def bad_files(tmp_path_factory, eval_data_dir, calib_data_dir, smollm2):
     weights = paths["truncated"] / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
     paths["random_weights"] = fixture_copy("random_weights")
-    (paths["random_weights"] / "model.safetensors").write_bytes(os.urandom(200_000))
+    (paths["random_weights"] / "model.safetensors").write_bytes(random.Random(1).randbytes(200_000))
     paths["random_gguf"] = root / "model.gguf"
-    paths["random_gguf"].write_bytes(os.urandom(100_000))
+    paths["random_gguf"].write_bytes(random.Random(2).randbytes(100_000))
     paths["random_text"] = root / "random.txt"
-    paths["random_text"].write_bytes(b"\xff\xfe" + os.urandom(50_000))
+    paths["random_text"].write_bytes(b"\xff\xfe" + random.Random(3).randbytes(50_000))
+    paths["damaged_gates"] = root / "damaged.gates"  # its training checkpoint is random bytes
+    (root / "damaged.gates.ckpt").write_bytes(random.Random(4).randbytes(5_000))
     paths["blank_text"] = root / "blank.txt"
     paths["blank_text"].write_text("  \n\n  ")
     paths["control_text"] = root / "control.txt"

@@ -127,7 +127,7 @@ def load_train_state(work_dir: Path, fingerprint: dict) -> dict | None:
         reason = " ".join(str(error).split())[:160]
         raise RetrofitError(f"{path}: refusing to load a training checkpoint that holds more than tensors and plain "
                             f"values ({reason}); start again without --resume") from None
-    except (RuntimeError, EOFError, OSError) as error:
+    except Exception as error:  # noqa: BLE001 - damaged bytes fail in the unpickler in many ways (IndexError, ...)
         raise RetrofitError(f"{path}: not a readable training checkpoint ({type(error).__name__}); start again "
                             "without --resume") from None
     if not isinstance(state, dict):

@@ -202,7 +202,13 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     if resume:
         if not checkpoint.is_file():
             raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
-        state = torch.load(checkpoint, map_location=device, weights_only=True)
+        try:
+            state = torch.load(checkpoint, map_location=device, weights_only=True)
+        except Exception as error:  # noqa: BLE001 - a damaged file fails in the unpickler in many ways
+            raise RetrofitError(f"--resume: {str(checkpoint)!r} is not a readable gate-training checkpoint "
+                                f"({type(error).__name__}); start again without --resume") from None
+        if not isinstance(state, dict) or "config" not in state:
+            raise RetrofitError(f"--resume: {str(checkpoint)!r} is not a gate-training checkpoint")
         if state["config"] != gates.config:
             raise RetrofitError(f"--resume: checkpoint {str(checkpoint)!r} was made with other gate settings")
         gates.load_state_dict(state["gates"])
