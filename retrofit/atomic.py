@@ -1,4 +1,5 @@
-"""Writes that leave nothing half-written: a temporary file or directory beside the target, renamed over it at the end.
+"""Writes that leave nothing half-written: a temporary file or directory beside the target, renamed over it at the end
+(and :func:`torch_load`, the reader of what :func:`torch_save` writes).
 
     with atomic_path(out / "report.json") as tmp:
         tmp.write_text(...)
@@ -64,3 +65,27 @@ def torch_save(payload: Any, path: str | os.PathLike) -> Path:
     with atomic_path(path) as temporary:
         torch.save(payload, temporary)
     return Path(path)
+
+
+def torch_load(path: str | os.PathLike, what: str, map_location: Any = "cpu", advice: str = "") -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain values only, so a file holding any other object is
+    refused, never run. Any failure is one ``RetrofitError`` naming the file as ``what`` (e.g. "a training
+    checkpoint"), with ``advice`` appended: a damaged file fails inside the unpickler in many ways (EOFError,
+    IndexError, UnpicklingError, ...)."""
+    import pickle
+
+    import torch
+
+    from retrofit.errors import RetrofitError
+
+    suffix = f"; {advice}" if advice else ""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        refused = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line), None)
+        if refused is None:  # the unpickler met bytes that are no pickle at all
+            raise RetrofitError(f"{path}: cannot read {what}, the file is damaged (UnpicklingError){suffix}") from None
+        raise RetrofitError(f"{path}: refusing to load {what} that holds more than tensors and plain values "
+                            f"({refused[:160]}){suffix}") from None
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        raise RetrofitError(f"{path}: cannot read {what}, the file is damaged ({type(error).__name__}){suffix}") from None

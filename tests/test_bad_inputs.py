@@ -147,7 +147,7 @@ ROWS = [
     (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{empty_dir}"], "is a directory"),
     (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{missing}.gates", "--resume"], "--resume: no checkpoint"),
     (["gates", "smollm2-135m", "--data", "{calib}", "--out", "{damaged_gates}", "--resume"],
-     "not a readable gate-training checkpoint"),
+     "cannot read a gate-training checkpoint"),
     # --- output files named on the command line: a directory where a file is written is refused before any work
     (["eval", "smollm2-135m", "--tasks", "piqa", "--json", "{empty_dir}", *EVAL], "is a directory"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--log-samples", "{empty_dir}", *EVAL], "is a directory"),

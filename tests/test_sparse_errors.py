@@ -36,7 +36,7 @@ def test_seer_needs_a_gate_file(tmp_path):
         build_method("seer", 256, gate_path=str(missing))
     junk = tmp_path / "junk.gates"
     junk.write_text("not a gate file")
-    with pytest.raises(RetrofitError, match=r"not readable"):
+    with pytest.raises(RetrofitError, match=r"cannot read seer gates, the file is damaged"):
         build_method("seer", 256, gate_path=str(junk))
 
 

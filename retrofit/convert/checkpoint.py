@@ -7,13 +7,12 @@ step number, see :class:`retrofit.convert.data.BatchSampler`).
 from __future__ import annotations
 
 import os
-import pickle
 import random
 from pathlib import Path
 
 import torch
 
-from retrofit.atomic import torch_save
+from retrofit.atomic import torch_load, torch_save
 from retrofit.errors import RetrofitError
 
 STATE_FILE = "train_state.pt"
@@ -121,15 +120,7 @@ def load_train_state(work_dir: Path, fingerprint: dict) -> dict | None:
     path = work_dir / STATE_FILE
     if not path.is_file():
         return None
-    try:  # tensors and plain values only: a checkpoint that holds anything else is refused, never run
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        reason = " ".join(str(error).split())[:160]
-        raise RetrofitError(f"{path}: refusing to load a training checkpoint that holds more than tensors and plain "
-                            f"values ({reason}); start again without --resume") from None
-    except Exception as error:  # noqa: BLE001 - damaged bytes fail in the unpickler in many ways (IndexError, ...)
-        raise RetrofitError(f"{path}: not a readable training checkpoint ({type(error).__name__}); start again "
-                            "without --resume") from None
+    state = torch_load(path, "a training checkpoint", advice="start again without --resume")
     if not isinstance(state, dict):
         raise RetrofitError(f"{path}: not a retrofit training checkpoint; start again without --resume")
     if state.get("fingerprint") != fingerprint:

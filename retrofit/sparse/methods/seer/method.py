@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from retrofit.atomic import torch_save
+from retrofit.atomic import torch_load, torch_save
 from retrofit.errors import RetrofitError
 from retrofit.kernels.sparse_decode import cluster_scores
 from retrofit.sparse.contract import Selection, SparseMethod, require
@@ -94,10 +94,7 @@ class SeerGates(nn.Module):
         path = Path(path)
         if not path.is_file():
             raise RetrofitError(f"seer gate file {str(path)!r} does not exist (train one with `retrofit gates`)")
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - any unreadable file is a user error here
-            raise RetrofitError(f"seer gate file {str(path)!r} is not readable: {type(error).__name__}") from None
+        payload = torch_load(path, "seer gates")
         if not isinstance(payload, dict) or payload.get("format") != GATE_FORMAT:
             raise RetrofitError(f"{str(path)!r} is not a retrofit seer gate file")
         gates = cls(**payload["config"])

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from retrofit.atomic import torch_save
+from retrofit.atomic import torch_load, torch_save
 from retrofit.errors import RetrofitError
 from retrofit.textfiles import read_text
 from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
@@ -202,11 +202,8 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     if resume:
         if not checkpoint.is_file():
             raise RetrofitError(f"--resume: no checkpoint at {str(checkpoint)!r}")
-        try:
-            state = torch.load(checkpoint, map_location=device, weights_only=True)
-        except Exception as error:  # noqa: BLE001 - a damaged file fails in the unpickler in many ways
-            raise RetrofitError(f"--resume: {str(checkpoint)!r} is not a readable gate-training checkpoint "
-                                f"({type(error).__name__}); start again without --resume") from None
+        state = torch_load(checkpoint, "a gate-training checkpoint", map_location=device,
+                           advice="start again without --resume")
         if not isinstance(state, dict) or "config" not in state:
             raise RetrofitError(f"--resume: {str(checkpoint)!r} is not a gate-training checkpoint")
         if state["config"] != gates.config:
