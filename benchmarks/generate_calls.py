@@ -11,7 +11,6 @@ figure is what a caller of ``generate`` waits for per call, prefill included; ea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path

@@ -15,14 +15,10 @@ import torch
 import retrofit
 from retrofit.generation import kept_generation, release
 from retrofit.sparse import sparse_decoding
+from test_generation import _ours
 from test_sparse_decoding import PROMPTS, SHORTER_PROMPT, _inputs
 
 OTHER_PROMPTS = ["Water boils at a temperature of", SHORTER_PROMPT]
-
-
-def _ours(model, tokenizer, inputs, max_new_tokens, **options):
-    return retrofit.generate(model, inputs.input_ids, inputs.attention_mask, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id, **options)
 
 
 def test_a_call_of_the_same_bucket_reuses_the_cache_and_gives_the_fresh_tokens(smollm2, one_cpu_thread):

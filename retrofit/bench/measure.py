@@ -255,7 +255,7 @@ def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int
     def record(point: BenchPoint) -> None:
         points.append(point)
         if on_point is not None:
-            on_point(list(points))
+            on_point(points)
 
     for variant in [dense(), *variants]:
         _measure_variant(model, variant, tokenizer, contexts, batches, decode_tokens, device, settings, record)

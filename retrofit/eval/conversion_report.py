@@ -195,8 +195,6 @@ class ConversionCost:
     peak_rss_bytes: int = 0
 
 
-
-
 @contextlib.contextmanager
 def measure_conversion(device: torch.device) -> Iterator[ConversionCost]:
     """Time the block and record its peak memory on ``device`` (see :class:`ConversionCost`)."""

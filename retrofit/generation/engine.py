@@ -111,8 +111,9 @@ class StaticGeneration:
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.prompt_length = input_ids.shape[1]
         self.max_new_tokens = max_new_tokens
-        self.row_start.copy_(self.prompt_length - attention_mask.sum(-1))
-        self.positions.copy_(attention_mask.sum(-1, keepdim=True))
+        real_tokens = attention_mask.sum(-1, keepdim=True)  # [B, 1]
+        self.positions.copy_(real_tokens)
+        self.row_start.copy_(self.prompt_length - real_tokens[:, 0])
         self.tokens.zero_()
         self.out.fill_(self.pad)
         self.step_index.zero_()

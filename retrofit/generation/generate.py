@@ -130,7 +130,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     kept = take(model, key, input_ids, max_new_tokens)  # frees a kept state that does not fit (or is not wanted)
     if kept is not None:
         generation = kept.generation
-        generation.model = model
         generation.load(input_ids, attention_mask, max_new_tokens)
     else:
         generation = StaticGeneration(model, input_ids, attention_mask, max_new_tokens,

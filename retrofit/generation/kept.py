@@ -40,17 +40,15 @@ def reuse_key(model, generation_options: tuple) -> tuple:
 
 
 def take(model, key: tuple | None, input_ids: torch.Tensor, max_new_tokens: int) -> KeptGeneration | None:
-    """The kept state of ``model`` if it fits this call (and forget it: the caller keeps it again when done);
+    """The kept state of ``model``, handed back to it, if it fits this call (the caller keeps it again when done);
     otherwise None, the kept state freed first so that its cache is gone before a new one is allocated. ``key``
     None: a call that must not reuse (sampling, a sparse session)."""
-    kept = _KEPT.pop(model, None)
-    if kept is None:
-        return None
-    if key is not None and kept.key == key and kept.generation.can_load(input_ids, max_new_tokens):
+    kept = _KEPT.get(model)
+    if kept is not None and key is not None and kept.key == key and kept.generation.can_load(input_ids, max_new_tokens):
+        del _KEPT[model]
+        kept.generation.model = model
         return kept
-    kept.generation.model = None
-    del kept
-    _free_device_cache(input_ids.device)
+    release(model)
     return None
 
 
