@@ -283,7 +283,10 @@ def _bwd_wy_kernel(k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, T
     rmask = rows < T
     b_c = tl.load(beta + (i_b * T + rows) * H + i_h, mask=rmask, other=0.).to(tl.float32)
     tm = tl.load(Tinv + (i_bh * Tp + rows[:, None]) * BT + o[None, :])
-    tmt = _to_op(tl.trans(tm), PREC)
+    # T^T loaded transposed rather than tl.trans(tm): with triton 3.6 on the H200 at 4 warps and bf16 products, the
+    # register transpose as the first operand of pass 2's T^T dW gave a wrong product (KDA, K = 64, key blocks of 16
+    # or 32: relative error ~1, or NaN); see BENCHMARKS.md, History, 2026-12-02 — KDA's bf16 backward mended
+    tmt = _to_op(tl.load(Tinv + (i_bh * Tp + rows[None, :]) * BT + o[:, None]), PREC)
     if not PER_CHANNEL:
         G = tl.load(Gc + i_bh * Tp + rows)
     # pass 1: dT = dW (beta exp(G) k)^T (and GDN's k k^T)

@@ -422,6 +422,61 @@ def test_matches_reference_bf16_gpu(kind, B, T, H, groups, K, V, h0):
     check_against_reference(kind, inputs, BF16_TOL_OUT, BF16_TOL_GRAD)
 
 
+# As the converted layers call the kernels: q, k, v in bf16 (autocast), g and beta in float32; grouped query heads
+# (SmolLM2: 9 query, 3 kv heads, K = V = 64) and Llama-3-8B's K = V = 128. (The cases at B = 2 and K = 128 passed on
+# the H200 with the faulty _bwd_wy mended on 2026-12-02 too: its kernel-level check is
+# test_bwd_wy_kda_adds_t_transpose_dw.)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("B,T,H,groups,K,V", [(1, 300, 3, 3, 64, 64), (2, 300, 3, 3, 64, 64), (1, 300, 2, 1, 128, 128)])
+def test_bf16_with_float32_gates_gpu(kind, B, T, H, groups, K, V):
+    inputs = make_inputs(kind, B, T, H, K, V, groups=groups, h0=False, dtype=torch.bfloat16, device="cuda", seed=T + K)
+    inputs[3], inputs[4] = inputs[3].float(), inputs[4].float()
+    check_against_reference(kind, inputs, BF16_TOL_OUT, BF16_TOL_GRAD)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("K,BK", [(64, 32), (64, 16), (128, 32)])
+def test_bwd_wy_kda_adds_t_transpose_dw(device, K, BK):
+    """KDA's _bwd_wy alone, at the launch settings chunk_bwd uses, on random inputs of a real layer's shapes (B = 1,
+    T = 300, 3 kv heads): the dk it adds per chunk must be beta exp(G) (T^T dW), the products on bf16-rounded
+    operands. On the H200 (triton 3.6, 4 warps) the kernel before 2026-12-02 added a wrong product at K = 64 (relative
+    error ~1.1 at key blocks of 32, NaN at 16; right at 1, 2 or 8 warps), on the real layer's inputs and with k, v,
+    dV', M and dW random (BENCHMARKS.md, History, 2026-12-02 — KDA's bf16 backward mended)."""
+    from retrofit.kernels.delta_common.chunk_bwd_kernels import _bwd_wy_kernel
+    B, T, H, V, BT = 1, 300, 3, K, chunk_module.CHUNK
+    NT = -(-T // BT)
+    Tp = NT * BT
+    gen = torch.Generator().manual_seed(K + BK)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    k, v = rnd(B, T, H, K, scale=0.1).bfloat16(), rnd(B, T, H, V).bfloat16()
+    beta = torch.rand(B, T, H, generator=gen).to(device)
+    Gc = -torch.rand(B, H, Tp, K, generator=gen).cumsum(2).to(device) * 0.02
+    M = rnd(B, H, Tp, BT, scale=0.3)
+    Tinv = (torch.tril(torch.randn(B, H, NT, BT, BT, generator=gen) * 0.1, -1) + torch.eye(BT)).view(B, H, Tp, BT)
+    Tinv = Tinv.to(device)
+    dW, dVp = rnd(B, H, Tp, K), rnd(B, H, Tp, V).bfloat16()
+    dk0 = rnd(B, T, H, K)
+    dk, dv = dk0.clone(), torch.empty_like(v)
+    dbeta, dG, dM = torch.empty(B, T, H, device=device), torch.zeros(B, H, Tp, K, device=device), torch.empty_like(M)
+    prec = chunk_module._precisions(k)[0]
+    BV = min(chunk_module.BLOCK_V, V)
+    _bwd_wy_kernel[(NT, B * H)](k, v, beta, Gc, M, Tinv, dW, dVp, dk, dv, dbeta, dG, dM, T, Tp, H, K=K, V=V, BT=BT,
+                                BV=BV, BK=BK, PER_CHANNEL=True, PREC=prec,
+                                **chunk_module._value_block_kw("bwd_wy", True, BV))
+    bf16 = lambda x: x.to(torch.bfloat16).double()  # noqa: E731  (the kernel's product operands)
+    t_transpose_dw = (bf16(Tinv.view(B, H, NT, BT, BT)).transpose(-1, -2) @ bf16(dW.view(B, H, NT, BT, K)))
+    decayed = beta.double().permute(0, 2, 1)[..., None] * Gc.double().exp()[:, :, :T]        # [B, H, T, K]
+    want = (decayed * t_transpose_dw.view(B, H, Tp, K)[:, :, :T]).permute(0, 2, 1, 3)         # [B, T, H, K]
+    # the same bf16 operands, fp32 accumulation against fp64: 1e-7 measured for this closed form on the real layer's
+    # launch (H200, mended kernel) and here under the interpreter; 1e-4 leaves room for other summation orders, and a
+    # wrong product is off by 1e-1 or more (0.69 with T in place of T^T)
+    assert rel_rms(dk - dk0, want) < 1e-4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("T,K,V", [(130, 32, 16), (300, 128, 128)])
