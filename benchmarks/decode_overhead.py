@@ -11,7 +11,10 @@ A tiny Llama with the layer structure of Llama-3-8B's depth (32 layers, GQA 4 qu
 Counts are per decode token: the counts of a generation of 8 + 32 new tokens minus those of 8, over 32 (stop checks
 included, the prefill excluded; no end-of-sequence token stops it). Engines: ``transformers`` (``model.generate``,
 growing cache) and ``retrofit`` (``retrofit.generate``: static cache; on CUDA the step is a captured graph, so the
-host launches one graph per token). Results in BENCHMARKS.md, "Current figures > End-to-end generation".
+host launches one graph per token); on CUDA also ``retrofit-eager``, the same step launched without the graph
+(``cuda_graph=False``), whose kernel launches per token are the kernels the graph holds (for this tiny model's
+shapes: cuBLAS may pick other kernels, e.g. split-K reductions, at Llama-3-8B's). Results in BENCHMARKS.md, "Current
+figures > End-to-end generation".
 """
 from __future__ import annotations
 
@@ -101,7 +104,15 @@ def generator(model, engine: str, ids: torch.Tensor):
     mask = torch.ones_like(ids)
     if engine == "transformers":
         return lambda n: model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return lambda n: retrofit.generate(model, ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    cuda_graph = False if engine == "retrofit-eager" else None
+    return lambda n: retrofit.generate(model, ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0,
+                                       cuda_graph=cuda_graph)
+
+
+def engines(device: torch.device) -> tuple[str, ...]:
+    """The engines measured on ``device``: retrofit's step also without its graph on CUDA (to count the kernels the
+    graph holds); on the CPU the step is never captured, so that row would repeat ``retrofit``'s."""
+    return ("transformers", "retrofit", "retrofit-eager") if device.type == "cuda" else ("transformers", "retrofit")
 
 
 def launches_per_token(generate, tokens: int = 32, base: int = 8) -> dict[str, float]:
@@ -137,7 +148,7 @@ def main() -> None:
     print("| variant | engine | aten ops / token | host syncs / token | Triton launches / token | CUDA launches / token |")
     print("|---|---|---:|---:|---:|---:|")
     for name in args.variants.split(","):
-        for engine in ("transformers", "retrofit"):
+        for engine in engines(device):
             with torch.no_grad(), use_backend(args.backend), opened(model, VARIANTS[name]) as measured:
                 generate = generator(measured, engine, ids)
                 with triton_launches() as launched:
