@@ -156,7 +156,8 @@ def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.d
         raise RetrofitError(f"{source}: model type {config.model_type!r} is not a causal language model "
                             f"(architectures: {', '.join(config.architectures or ['unknown'])})")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
+        # the config read above: from_pretrained would read it again (for a GGUF file, a parse of all its metadata)
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None

@@ -22,6 +22,51 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
+
+
+def _remember_interpreter_builtins() -> None:
+    """Make the Triton interpreter's re-patching of ``triton.language`` cheap; the kernels it runs are unchanged.
+
+    The interpreter swaps every builtin of ``triton.language`` (and of its tensor class and math module) for an
+    interpreted version at each kernel launch, and again at each ``@triton.jit`` helper call inside a kernel; each
+    time it finds them with ``inspect.getmembers``, a ``dir`` and a sort of a few hundred attributes. A helper
+    called per block makes that a quarter of the interpreter's time in the chunk kernels' tests. The builtins of a
+    module or class do not change, so this lists them once and then patches exactly what ``getmembers`` would have
+    found: each listed attribute that still holds its builtin (one already swapped is skipped, as before). Where
+    the interpreter's internals differ from the ones this was written against, it leaves them alone.
+    """
+    import inspect
+
+    try:
+        from triton.language.core import is_builtin
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_builtin", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    if original is None or patch_attr is None or \
+            list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"] or \
+            list(inspect.signature(patch_attr).parameters) != ["obj", "name", "member", "builder", "scope"]:
+        return
+    builtins_of: dict[int, tuple[object, list[tuple[str, object]]]] = {}
+
+    def patch_builtin(pkg, builder, scope):
+        known = builtins_of.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            members = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
+            if not members:  # already swapped by an enclosing launch: nothing to patch, nothing to remember
+                return
+            known = builtins_of[id(pkg)] = (pkg, members)
+        for name, member in known[1]:
+            if getattr(pkg, name, None) is member:
+                patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _remember_interpreter_builtins()
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("RETROFIT_SHARED_DATA", REPO.parent / "shared" / "data"))
 
