@@ -23,7 +23,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-
 def _remember_interpreter_builtins() -> None:
     """Make the Triton interpreter's re-patching of ``triton.language`` cheap; the kernels it runs are unchanged.
 
@@ -48,16 +47,15 @@ def _remember_interpreter_builtins() -> None:
             list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"] or \
             list(inspect.signature(patch_attr).parameters) != ["obj", "name", "member", "builder", "scope"]:
         return
-    builtins_of: dict[int, tuple[object, list[tuple[str, object]]]] = {}
+    builtins_of: dict[object, list[tuple[str, object]]] = {}   # module or class -> its (name, builtin) pairs
 
     def patch_builtin(pkg, builder, scope):
-        known = builtins_of.get(id(pkg))
-        if known is None or known[0] is not pkg:
+        if pkg not in builtins_of:
             members = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
             if not members:  # already swapped by an enclosing launch: nothing to patch, nothing to remember
                 return
-            known = builtins_of[id(pkg)] = (pkg, members)
-        for name, member in known[1]:
+            builtins_of[pkg] = members
+        for name, member in builtins_of[pkg]:
             if getattr(pkg, name, None) is member:
                 patch_attr(pkg, name, member, builder, scope)
 
