@@ -151,7 +151,9 @@ class FusedDecoderLayer:
 
     def fuses_attention(self) -> bool:
         """Whether the decode step rotates, writes the cache and attends here (else the layer's attention runs)."""
-        return self.attention is not None and type(self.fusion.cache.layers[self.index]) is StaticLayer
+        layer = self.fusion.cache.layers[self.index]
+        return (self.attention is not None and type(layer) is StaticLayer
+                and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """hidden_states [B, 1, H] (a decode token) -> [B, 1, H]; anything else goes to the layer's own forward."""
