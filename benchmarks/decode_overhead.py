@@ -1,20 +1,28 @@
-"""What one decode token dispatches, per variant and engine: aten operations and host synchronisations (CPU), and
-on CUDA the kernel launches the host issues.
+"""What one decode token dispatches, per variant and engine: aten operations, the kernels among them, host
+synchronisations (CPU), Triton launches, and on CUDA the kernel launches the host issues.
 
 A tiny Llama with the layer structure of Llama-3-8B's depth (32 layers, GQA 4 query / 2 kv heads of 16 dims, hidden
 64, vocab 256) makes the compute negligible, so the counts are the host-side work a real model pays per token:
 
     python benchmarks/decode_overhead.py                      # CPU: ops and syncs, PyTorch paths of the kernels
-    python benchmarks/decode_overhead.py --backend triton     # CPU, Triton interpreter: + Triton launches
+    TRITON_INTERPRET=1 python benchmarks/decode_overhead.py --backend triton  # CPU, Triton interpreter: the
+                                                              # engine's fused decode layers, + Triton launches
     python benchmarks/decode_overhead.py --device cuda        # + kernel launches per token (torch.profiler)
+    ... --layers 2 / --layers 3                               # per decoder layer: the difference of the two
 
 Counts are per decode token: the counts of a generation of 8 + 32 new tokens minus those of 8, over 32 (stop checks
-included, the prefill excluded; no end-of-sequence token stops it). Engines: ``transformers`` (``model.generate``,
-growing cache) and ``retrofit`` (``retrofit.generate``: static cache; on CUDA the step is a captured graph, so the
-host launches one graph per token); on CUDA also ``retrofit-eager``, the same step launched without the graph
+included, the prefill excluded; no end-of-sequence token stops it). ``aten ops`` counts every aten operation,
+views and allocations included; ``kernels`` counts those that launch a GPU kernel (views, allocations and metadata
+queries left out: ``retrofit.bench.overhead.launches_kernel``) plus the Triton launches: the kernels a CUDA graph of
+the step holds, a few microseconds each. A Triton launch is not counted as aten operations (on the CPU the
+interpreter emulates it with copies that a GPU launch does not issue). With ``--backend triton`` the retrofit engine
+runs its fused decode layers (``retrofit.generation.fused_layers``), as it does on CUDA by default; with the PyTorch
+paths (the CPU default) it runs the model's own layers. Engines: ``transformers`` (``model.generate``, growing cache)
+and ``retrofit`` (``retrofit.generate``: static cache; on CUDA the step is a captured graph, so the host launches
+one graph per token); on CUDA also ``retrofit-eager``, the same step launched without the graph
 (``cuda_graph=False``), whose kernel launches per token are the kernels the graph holds (for this tiny model's
-shapes: cuBLAS may pick other kernels, e.g. split-K reductions, at Llama-3-8B's). Results in BENCHMARKS.md, "Current
-figures > End-to-end generation".
+shapes: cuBLAS may pick other kernels, e.g. split-K reductions, at Llama-3-8B's). Results in BENCHMARKS.md,
+"Current figures > End-to-end generation".
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import retrofit  # noqa: E402
-from retrofit.bench.overhead import per_decode_token  # noqa: E402
+from retrofit.bench.overhead import per_decode_token, triton_launches  # noqa: E402
 from retrofit.kernels import use_backend  # noqa: E402
 from retrofit.sparse import sparse_decoding  # noqa: E402
 from retrofit.variants import parse_variant_spec  # noqa: E402
@@ -50,10 +58,10 @@ VARIANTS = {
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
-def tiny_llama(device: torch.device):
+def tiny_llama(device: torch.device, layers: int = 32):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, intermediate_size=128, vocab_size=256, max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device(device):
@@ -73,31 +81,6 @@ def opened(model, variant):
         method, params = variant
         with sparse_decoding(model, method=method, budget=BUDGET, **params):
             yield model
-
-
-@contextlib.contextmanager
-def triton_launches():
-    """Counts Triton kernel launches (compiled or interpreted) in ``counter[0]``."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    counter = [0]
-    saved = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
-
-    def counting(original):
-        def run(self, *args, **kwargs):
-            if not kwargs.get("warmup"):
-                counter[0] += 1
-            return original(self, *args, **kwargs)
-        return run
-
-    for cls, original in saved.items():
-        cls.run = counting(original)
-    try:
-        yield counter
-    finally:
-        for cls, original in saved.items():
-            cls.run = original
 
 
 def generator(model, engine: str, ids: torch.Tensor):
@@ -137,37 +120,43 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from the table")
+    parser.add_argument("--layers", type=int, default=32, help="decoder layers of the tiny Llama (per-layer counts: "
+                        "the difference of two runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.backend == "triton" and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--backend triton on the CPU needs TRITON_INTERPRET=1 in the environment")
     device = torch.device(args.device)
-    model = tiny_llama(device)
+    model = tiny_llama(device, args.layers)
     ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
     rows = []
-    print("| variant | engine | aten ops / token | host syncs / token | Triton launches / token | CUDA launches / token |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| variant | engine | aten ops / token | kernels / token | host syncs / token | Triton launches / token "
+          "| CUDA launches / token |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name in args.variants.split(","):
         for engine in engines(device):
             with torch.no_grad(), use_backend(args.backend), opened(model, VARIANTS[name]) as measured:
                 generate = generator(measured, engine, ids)
-                with triton_launches() as launched:
-                    counts = per_decode_token(generate)
-                triton_per_token = None
-                if launched[0]:  # the difference of the two runs, as for the aten counts
-                    with triton_launches() as short:
-                        generate(8)
-                    with triton_launches() as long:
-                        generate(40)
-                    triton_per_token = (long[0] - short[0]) / 32
+                launched: dict[int, int] = {}  # new tokens -> Triton launches of that run
+
+                def counted(new_tokens: int):
+                    with triton_launches() as launches:
+                        generate(new_tokens)
+                    launched[new_tokens] = launches[0]
+
+                counts = per_decode_token(counted)
+                short, long = sorted(launched)
+                triton_per_token = (launched[long] - launched[short]) / (long - short) if launched[long] else None
                 cuda = launches_per_token(generate) if device.type == "cuda" else {}
-            row = {"variant": name, "engine": engine, "ops": counts.ops, "syncs": counts.syncs,
-                   "sync_names": counts.sync_names, "triton_launches": triton_per_token, "cuda_launches": cuda}
+            kernels = counts.kernels + (triton_per_token or 0)
+            row = {"variant": name, "engine": engine, "ops": counts.ops, "kernels": kernels, "syncs": counts.syncs,
+                   "sync_names": counts.sync_names, "triton_launches": triton_per_token, "cuda_launches": cuda,
+                   "layers": args.layers}
             rows.append(row)
             cuda_text = ", ".join(f"{key} {value:g}" for key, value in cuda.items())
             triton_text = "" if triton_per_token is None else f"{triton_per_token:g}"
-            print(f"| {name} | {engine} | {counts.ops:,.0f} | {counts.syncs:g} | {triton_text} | {cuda_text} |",
-                  flush=True)
+            print(f"| {name} | {engine} | {counts.ops:,.0f} | {kernels:,.0f} | {counts.syncs:g} | {triton_text} | "
+                  f"{cuda_text} |", flush=True)
     if args.json:
         from retrofit.atomic import write_json
 

@@ -12,6 +12,9 @@ that the launch heuristics of several folders read.
 - ``causal_conv1d`` (prefill, differentiable) / ``causal_conv1d_update`` (decode): short causal depthwise conv.
 - ``naive_*``: the pure-PyTorch references the kernels are tested against.
 - ``sparse_decode``: one decode token's attention over selected cache blocks, block scoring, top-k.
+- ``rms_norm`` / ``add_rms_norm`` (RMSNorm, optionally after the residual add), ``silu_mul`` (the gated MLP's
+  activation), ``rotary_qk`` / ``rotary_qk_into_cache`` (a decode token's rotary embedding, optionally writing k and v
+  into a static cache): the fused pieces of a decoder layer's decode step, inference only.
 """
 
 from .backend import backend_for, use_backend
@@ -23,9 +26,14 @@ from .gated_delta_rule.reference import naive_chunk_gated_delta_rule, naive_recu
 from .kda.chunk import chunk_kda
 from .kda.fused_recurrent import fused_recurrent_kda
 from .kda.reference import naive_chunk_kda, naive_recurrent_kda
+from .rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from .rotary import rotary_qk, rotary_qk_into_cache, rotary_qk_into_cache_ref, rotary_qk_ref
+from .silu_mul import silu_mul, silu_mul_ref
 
 __all__ = [
     "RecurrentDecodeGraph",
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "backend_for",
     "causal_conv1d",
     "causal_conv1d_update",
@@ -39,5 +47,13 @@ __all__ = [
     "naive_chunk_kda",
     "naive_recurrent_gated_delta_rule",
     "naive_recurrent_kda",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_qk",
+    "rotary_qk_into_cache",
+    "rotary_qk_into_cache_ref",
+    "rotary_qk_ref",
+    "silu_mul",
+    "silu_mul_ref",
     "use_backend",
 ]

@@ -39,6 +39,11 @@ OPS: dict[str, tuple[str, str]] = {
     "quest_page_scores": ("sparse_decode.scoring:quest_page_scores_triton", "sparse_decode.reference:quest_page_scores_ref"),
     "cluster_scores": ("sparse_decode.scoring:cluster_scores_triton", "sparse_decode.reference:cluster_scores_ref"),
     "topk_indices": ("sparse_decode.topk:topk_indices_triton", "sparse_decode.reference:topk_indices_ref"),
+    "rms_norm": ("rms_norm.rms_norm:rms_norm_triton", "rms_norm.reference:rms_norm_ref"),
+    "add_rms_norm": ("rms_norm.rms_norm:add_rms_norm_triton", "rms_norm.reference:add_rms_norm_ref"),
+    "silu_mul": ("silu_mul.silu_mul:silu_mul_triton", "silu_mul.reference:silu_mul_ref"),
+    "rotary_qk": ("rotary.rotary:rotary_qk_triton", "rotary.reference:rotary_qk_ref"),
+    "rotary_qk_into_cache": ("rotary.rotary:rotary_qk_into_cache_triton", "rotary.reference:rotary_qk_into_cache_ref"),
 }
 
 _override: list[str] = []

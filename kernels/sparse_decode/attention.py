@@ -27,7 +27,7 @@ def _sparse_decode_split_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ib, stride_ih,
-    stride_cb,
+    stride_cb, stride_start, stride_end,
     Hkv, D, tokens_per_split, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
@@ -45,8 +45,8 @@ def _sparse_decode_split_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
 
     count = tl.load(count_ptr + b * stride_cb + hkv)
-    kv_start = tl.load(start_ptr + b)
-    kv_end = tl.load(end_ptr + b)
+    kv_start = tl.load(start_ptr + b * stride_start)
+    kv_end = tl.load(end_ptr + b * stride_end)
     total = count * BLOCK_SIZE
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, total)
@@ -122,6 +122,12 @@ def _default_splits(rows: int, max_tokens: int, block_n: int, device: torch.devi
     return max(1, min(splits, math.ceil(max_tokens / block_n), 64))
 
 
+def _positions(bounds: torch.Tensor) -> torch.Tensor:
+    """kv_start / kv_end [B] as the kernel reads them: int32 or int64 as given (a static cache's int64 length
+    counter, expanded to the rows with stride 0, is read in place: no conversion kernel), other dtypes as int32."""
+    return bounds if bounds.dtype in (torch.int32, torch.int64) else bounds.to(torch.int32)
+
+
 def sparse_decode_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,7 +146,8 @@ def sparse_decode_attention_triton(
 
     q [B, Hq, D]; k, v [B, Hkv, N, D] (last dim contiguous); indices [B, Hkv, S] int (block ids of ``block_size``
     positions); counts [B, Hkv] int (valid entries per row, ragged); kv_start, kv_end [B] int (valid positions
-    ``kv_start <= pos < kv_end``). Returns o [B, Hq, D] in q's dtype; rows with nothing valid give zeros.
+    ``kv_start <= pos < kv_end``; any stride, e.g. one counter expanded). Returns o [B, Hq, D] in q's dtype; rows
+    with nothing valid give zeros.
     ``num_splits`` splits each row's selection over that many programs (default: fill the GPU; 1 on CPU).
     """
     B, Hq, D = q.shape
@@ -155,8 +162,7 @@ def sparse_decode_attention_triton(
     scale = D**-0.5 if scale is None else scale
     indices = indices.to(torch.int32)
     counts = counts.to(torch.int32).contiguous()
-    kv_start = kv_start.to(torch.int32).contiguous()
-    kv_end = kv_end.to(torch.int32).contiguous()
+    kv_start, kv_end = _positions(kv_start), _positions(kv_end)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     block_n = block_n or (64 if block_size <= 64 else 128)
@@ -171,7 +177,7 @@ def sparse_decode_attention_triton(
     _sparse_decode_split_kernel[(B * Hkv, splits)](
         q, k, v, indices, counts, kv_start, kv_end, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        indices.stride(0), indices.stride(1), counts.stride(0),
+        indices.stride(0), indices.stride(1), counts.stride(0), kv_start.stride(0), kv_end.stride(0),
         Hkv, D, tokens_per_split, scale * _LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,

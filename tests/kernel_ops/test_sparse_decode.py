@@ -84,6 +84,20 @@ def test_sparse_decode_attention_empty_rows_give_zeros_and_full_selection_is_den
     assert torch.equal(empty, torch.zeros_like(empty))
 
 
+def test_a_static_cache_counter_expanded_to_the_rows_is_read_in_place():
+    """kv_end as the engine passes it: a static layer's 0-dim int64 length counter expanded to the rows (stride 0),
+    kv_start int64: the same output as int32 contiguous bounds."""
+    B, Hq, Hkv, D, N = 3, 9, 3, 64, 75
+    q, k, v, _, _, kv_start, _ = _attention_inputs(B, Hq, Hkv, D, N, 1, 1)
+    everything = torch.arange(N, dtype=torch.int32).expand(B, Hkv, N).contiguous()
+    full = torch.full((B, Hkv), N, dtype=torch.int32)
+    counter = torch.tensor(N - 5)
+    out = sparse_decode_attention(q, k, v, everything, full, kv_start.long(), counter.expand(B), 1)
+    kv_end = torch.full((B,), N - 5, dtype=torch.int32)
+    expected = sparse_decode_attention(q, k, v, everything, full, kv_start, kv_end, 1)
+    assert torch.equal(out, expected)
+
+
 SCORE_CASES = {"P1": 1, "P63": 63, "P75": 75}
 
 

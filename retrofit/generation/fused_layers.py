@@ -1,0 +1,259 @@
+"""The decode step's decoder layers with fewer kernels: the fused forward of a Llama-family layer for one token.
+
+transformers' own forward of a Llama decoder layer launches 41 kernels per decode token in float32 (seven GEMMs, the
+two attention kernels and a dtype conversion for them, each RMSNorm six, more in bf16, the rotation of q and k ten,
+the static cache's index arithmetic and copies five, the MLP's SiLU and product two, the residual adds two). Inside a CUDA graph each costs a few microseconds whatever its size, which at
+batch 1 is most of a decode step. While :class:`DecodeFusion` is installed, a decode step of a supported layer runs
+
+    rms_norm -> q, k, v projections -> rotary_qk_into_cache (rotate q and k, write k and v into the static cache)
+    -> the engine's decode attention -> o projection -> add_rms_norm (residual add and norm, one kernel)
+    -> gate, up projections -> silu_mul -> down projection added onto the residual in place (one GEMM, beta = 1)
+
+with the kernels of :mod:`retrofit.kernels`: 13 kernels (7 GEMMs, 2 for the attention, 4 fused ones). The math is the model's: float32 norm statistics rounded
+as ``LlamaRMSNorm`` rounds, the rotation's products rounded as ``apply_rotary_pos_emb`` rounds. The one difference is
+that the down projection's GEMM adds the residual before rounding once (the model rounds the product, then the sum).
+No weight is copied or merged: the projections read the modules' weights through transposed views.
+
+Supported: Llama, Mistral and Qwen2 decoder layers (their forward is the one above) whose norms are the model's
+RMSNorm and whose MLP is SiLU-gated with plain ``nn.Linear`` projections. The rotation and the cache write are fused
+where the layer's cache is a plain ``transformers.cache_utils.StaticLayer`` (the engine's dense cache) and the
+attention module is the model's own with plain projections; elsewhere (a ``retrofit.sparse_decoding`` session's
+layers, the linear-attention layers of a converted hybrid, sliding-window layers) the layer's own attention module
+runs and only the norms and the MLP are fused. Prefill chunks and anything outside :meth:`DecodeFusion.decoding` run
+the layers' own forward unchanged.
+
+A fused layer writes the token's key and value at position ``cumulative_length - 1`` of its ``StaticLayer``: the
+step advances the counters of all those layers first, in one ``_foreach_add_`` (what ``StaticLayer.update`` does
+with one ``add_`` per layer), so the layers' bookkeeping is what transformers' update leaves.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from transformers.cache_utils import StaticLayer
+
+from retrofit.kernels import add_rms_norm, rms_norm, rotary_qk_into_cache, silu_mul
+
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+ATTENTION_MODULES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
+RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+
+# (layer's StaticLayer, rotated queries [B, Hq, D], scale) -> attention output [B, Hq, D]
+DecodeAttention = Callable[[StaticLayer, torch.Tensor, float], torch.Tensor]
+
+
+def _from_transformers(module: torch.nn.Module, names: frozenset[str]) -> bool:
+    return type(module).__name__ in names and type(module).__module__.startswith("transformers.models.")
+
+
+def _is_silu(activation) -> bool:
+    """``nn.SiLU`` or transformers' ``SiLUActivation`` (what ``ACT2FN["silu"]`` gives), both ``F.silu``."""
+    return isinstance(activation, torch.nn.SiLU) or (type(activation).__name__ == "SiLUActivation"
+                                                     and type(activation).__module__ == "transformers.activations")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """An ``nn.Linear`` applied to ``x [B, in]`` as one GEMM on a transposed view of its weight (no copy)."""
+
+    weight_t: torch.Tensor  # [in, out]
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, module) -> "Projection | None":
+        if type(module) is not torch.nn.Linear:  # e.g. a LoRA wrapper: not a plain GEMM
+            return None
+        return cls(module.weight.t(), module.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, in] -> [B, out]."""
+        return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual [B, out] += x [B, in] @ W^T (+ bias)``, in place: one GEMM with beta = 1."""
+        residual.addmm_(x, self.weight_t)
+        return residual if self.bias is None else residual.add_(self.bias)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm module's weight and epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module) -> "Norm | None":
+        if not _from_transformers(module, RMS_NORMS):
+            return None
+        return cls(module.weight, float(module.variance_epsilon))
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """The attention module's projections and shapes, for the fused rotation, cache write and attention."""
+
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+
+    @classmethod
+    def of(cls, module) -> "FusedAttention | None":
+        if not _from_transformers(module, ATTENTION_MODULES):
+            return None
+        config = getattr(module, "config", None)
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0 or getattr(module, "sliding_window", None):
+            return None
+        projections = [Projection.of(getattr(module, name, None)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if any(projection is None for projection in projections):
+            return None
+        q, k, v, o = projections
+        head_dim = module.head_dim
+        return cls(q, k, v, o, q.weight_t.shape[1] // head_dim, k.weight_t.shape[1] // head_dim, head_dim,
+                   float(module.scaling))
+
+
+class FusedDecoderLayer:
+    """One decoder layer's fused decode-token forward (see the module docstring); ``forward`` stands in for the
+    layer's own while installed and runs the layer's own for anything but a decode token of the fusion's step."""
+
+    def __init__(self, layer: torch.nn.Module, fusion: "DecodeFusion", input_norm: Norm, post_norm: Norm,
+                 gate: Projection, up: Projection, down: Projection, attention: FusedAttention | None):
+        self.layer, self.fusion = layer, fusion
+        self.index = layer.self_attn.layer_idx
+        self.input_norm, self.post_norm = input_norm, post_norm
+        self.gate, self.up, self.down = gate, up, down
+        self.attention = attention
+        self.original = layer.forward
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, fusion: "DecodeFusion") -> "FusedDecoderLayer | None":
+        """The fused forward of ``layer``, or None where its structure is not the supported one."""
+        if not _from_transformers(layer, DECODER_LAYERS):
+            return None
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not isinstance(getattr(attn, "layer_idx", None), int):
+            return None
+        norms = Norm.of(getattr(layer, "input_layernorm", None)), Norm.of(getattr(layer, "post_attention_layernorm",
+                                                                                   None))
+        projections = [Projection.of(getattr(mlp, name, None)) for name in ("gate_proj", "up_proj", "down_proj")]
+        if None in norms or None in projections or not _is_silu(getattr(mlp, "act_fn", None)):
+            return None
+        return cls(layer, fusion, *norms, *projections, FusedAttention.of(attn))
+
+    def fuses_attention(self) -> bool:
+        """Whether the decode step rotates, writes the cache and attends here (else the layer's attention runs)."""
+        layer = self.fusion.cache.layers[self.index]
+        return (self.attention is not None and type(layer) is StaticLayer
+                and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """hidden_states [B, 1, H] (a decode token) -> [B, 1, H]; anything else goes to the layer's own forward."""
+        if args or not self.fusion.active or hidden_states.shape[1] != 1:
+            return self.original(hidden_states, *args, **kwargs)
+        B, _, H = hidden_states.shape
+        residual = hidden_states.reshape(B, H)
+        normed = rms_norm(residual, self.input_norm.weight, self.input_norm.eps)
+        if self.fuses_attention():
+            attended = self._attention(normed, kwargs)
+        else:
+            attended = self.layer.self_attn(hidden_states=normed.view(B, 1, H), **kwargs)[0].reshape(B, H)
+        normed, residual = add_rms_norm(attended, residual, self.post_norm.weight, self.post_norm.eps)
+        activated = silu_mul(self.gate(normed), self.up(normed))
+        return self.down.add_into(residual, activated).view(B, 1, H)
+
+    def _attention(self, normed: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """normed [B, H] -> the attention block's output [B, H] (before the residual add)."""
+        attention, layer = self.attention, self.fusion.cache.layers[self.index]
+        if kwargs.get("position_embeddings") is None:
+            raise RuntimeError(f"decoder layer {self.index} was called without position_embeddings: the fused decode "
+                               "step needs the model's (cos, sin)")
+        cos, sin = kwargs["position_embeddings"]
+        B, D = normed.shape[0], attention.head_dim
+        queries = rotary_qk_into_cache(attention.q(normed).view(B, attention.heads, D),
+                                       attention.k(normed).view(B, attention.kv_heads, D),
+                                       attention.v(normed).view(B, attention.kv_heads, D), cos, sin,
+                                       layer.keys, layer.values, layer.cumulative_length)
+        attended = self.fusion.attend(layer, queries, attention.scale)
+        return attention.o(attended.view(B, attention.heads * D))
+
+
+class FusedNorm:
+    """The model's final RMSNorm as one kernel for a decode token (the layer's own forward otherwise)."""
+
+    def __init__(self, module: torch.nn.Module, norm: Norm, fusion: "DecodeFusion"):
+        self.module, self.norm, self.fusion = module, norm, fusion
+        self.original = module.forward
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.fusion.active or hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+            return self.original(hidden_states)
+        return rms_norm(hidden_states, self.norm.weight, self.norm.eps)
+
+
+class DecodeFusion:
+    """The fused decode forward of a model's supported decoder layers (and its final norm), for one engine.
+
+    ``cache``: the engine's cache; ``attend(layer, queries [B, Hq, D], scale) -> [B, Hq, D]``: the engine's decode
+    attention over a ``StaticLayer`` (its valid positions ``[row_start, cumulative_length)``). :meth:`installed`
+    puts the fused forwards in place (undone on exit); they act only inside :meth:`decoding`, one decode step.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache, attend: DecodeAttention):
+        self.model, self.cache, self.attend = model, cache, attend
+        self.active = False
+        self.layers: list[FusedDecoderLayer] = []
+        self.final_norm: FusedNorm | None = None
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        for layer in getattr(decoder, "layers", None) or []:
+            fused = FusedDecoderLayer.of(layer, self)
+            if fused is not None:
+                self.layers.append(fused)
+        norm = Norm.of(getattr(decoder, "norm", None))
+        if norm is not None and self.layers:
+            self.final_norm = FusedNorm(decoder.norm, norm, self)
+
+    def fused_layer_indices(self) -> list[int]:
+        """The layers whose decode step runs fused (the audit of what :meth:`installed` replaces)."""
+        return [layer.index for layer in self.layers]
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["DecodeFusion"]:
+        """The fused forwards stand in for the modules' own inside the block (instance attributes, removed on exit,
+        whatever the module held there before put back)."""
+        replaced = [(fused.layer, fused) for fused in self.layers]
+        if self.final_norm is not None:
+            replaced.append((self.final_norm.module, self.final_norm))
+        saved = [(module, module.__dict__.get("forward")) for module, _ in replaced]
+        try:
+            for module, fused in replaced:
+                module.forward = fused.forward
+            yield self
+        finally:
+            for module, previous in saved:
+                if previous is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = previous
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """One decode step of the engine: advances the static layers' counters the fused layers write at (one
+        ``_foreach_add_``), and makes the fused forwards act inside the block."""
+        counters = [self.cache.layers[fused.index].cumulative_length for fused in self.layers
+                    if fused.fuses_attention()]
+        if counters:
+            torch._foreach_add_(counters, 1)
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False

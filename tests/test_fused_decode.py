@@ -1,0 +1,225 @@
+"""The engine's fused decode layers (retrofit.generation.fused_layers): installed only on the Triton backend and only
+while the engine runs; a decode step through them gives the tokens and the cache of the model's own layers, for a
+dense model (rotation and cache write fused), inside a sparse session and in a converted hybrid (their attention runs
+as before; norms and MLP fused); and the fused step stays capturable (the same operations every step, nothing new
+allocated in the decode state).
+
+CPU, Triton interpreter, float32, on a tiny random Llama with awkward shapes (hidden 72, 9 query / 3 kv heads of 16
+dims, MLP 100, two layers), a ragged batch of two. "Unfused" is the same engine on the same backend with no layer
+fused: both run the same Triton attention, so they differ only by the fused kernels' float32 rounding (a different
+summation order in the norms, the down projection's GEMM adding the residual before rounding): ~1e-7 relative per
+operation. CACHE_TOL = 1e-5 relative RMS on the caches after the decode bounds that over two layers and a few steps;
+a wrong position, head or rotation is of order 1. Greedy tokens are compared exactly (logit gaps are far larger).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import retrofit
+from retrofit.bench.memory import reachable_tensors
+from retrofit.bench.overhead import DispatchCount, triton_launches
+from retrofit.generation import StaticGeneration, fused_layers
+from retrofit.generation.inputs import SamplingOptions
+from retrofit.generation.sampling import TokenChooser
+from retrofit.kernels import use_backend
+from retrofit.sparse import sparse_decoding
+
+CACHE_TOL = 1e-5  # see module docstring
+NEW_TOKENS = 5
+PROMPT_LENGTH = 20
+
+
+SHAPE = dict(hidden_size=72, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=16,
+             intermediate_size=100, vocab_size=128, max_position_embeddings=512)
+
+
+def _tiny(architecture: str):
+    """A tiny random model of the architecture: Llama, Mistral (no sliding window) or Qwen2 (biases on q, k, v)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    config = {"llama": lambda: LlamaConfig(**SHAPE), "mistral": lambda: MistralConfig(sliding_window=None, **SHAPE),
+              "qwen2": lambda: Qwen2Config(use_sliding_window=False, **SHAPE)}[architecture]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(one_cpu_thread):
+    return _tiny("llama")
+
+
+def _prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 128, (2, PROMPT_LENGTH), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # ragged: row 0 left-padded by 5
+    return ids, mask
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused kernels the decode layers call: {"rotary": ..., "add_rms_norm": ...}."""
+    counted = {"rotary": 0, "add_rms_norm": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            counted[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(fused_layers, "rotary_qk_into_cache", counting("rotary", fused_layers.rotary_qk_into_cache))
+    monkeypatch.setattr(fused_layers, "add_rms_norm", counting("add_rms_norm", fused_layers.add_rms_norm))
+    return counted
+
+
+@contextlib.contextmanager
+def _unfused():
+    """The engine with no layer fused (the model's own forward everywhere), the backend unchanged."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_layers.FusedDecoderLayer, "of", classmethod(lambda cls, layer, fusion: None))
+        yield
+
+
+def _decode(model, steps: int = NEW_TOKENS - 1) -> StaticGeneration:
+    """Prefill and ``steps`` decode steps on the Triton backend; the generation with its cache."""
+    ids, mask = _prompt()
+    with torch.no_grad(), use_backend("triton"):
+        generation = StaticGeneration(model, ids, mask, steps + 1, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        with generation.installed():
+            generation.prefill()
+            for _ in range(steps):
+                generation.step()
+                generation.after_step()
+    return generation
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _static_layers(generation: StaticGeneration) -> list:
+    from transformers.cache_utils import StaticLayer
+
+    return [layer for layer in generation.cache.layers if type(layer) is StaticLayer]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2"])
+def test_dense_fused_steps_give_the_unfused_tokens_and_cache(architecture, tiny, calls):
+    model = tiny if architecture == "llama" else _tiny(architecture)
+    fused = _decode(model)
+    assert calls["rotary"] == 2 * (NEW_TOKENS - 1)  # both layers, every decode step, rotated and wrote the cache
+    with _unfused():
+        unfused = _decode(model)
+    assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
+    for mine, theirs in zip(_static_layers(fused), _static_layers(unfused), strict=True):
+        # the layer's bookkeeping is what StaticLayer.update leaves: the same counter, the same buffers
+        assert int(mine.cumulative_length) == int(theirs.cumulative_length) == PROMPT_LENGTH + NEW_TOKENS - 1
+        assert _relative(mine.keys, theirs.keys) < CACHE_TOL and _relative(mine.values, theirs.values) < CACHE_TOL
+
+
+def test_generate_with_fused_layers_equals_the_pytorch_path(tiny):
+    """End to end through ``retrofit.generate``: Triton (fused layers) and the CPU's PyTorch path (the model's
+    layers, SDPA) choose the same greedy tokens."""
+    ids, mask = _prompt()
+    tokens = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            tokens[backend] = retrofit.generate(tiny, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                                                pad_token_id=0, keep_state=False)
+    assert torch.equal(tokens["triton"], tokens["torch"])
+
+
+def test_fusion_is_installed_only_on_triton_and_undone_on_exit(tiny):
+    ids, mask = _prompt()
+    layers = tiny.model.layers
+    for backend, expected in (("torch", None), ("triton", [0, 1])):
+        with torch.no_grad(), use_backend(backend):
+            generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0)
+            with generation.installed():
+                fusion = generation.fusion
+                assert (fusion.fused_layer_indices() if fusion else None) == expected
+                assert all(("forward" in layer.__dict__) == (expected is not None) for layer in layers)
+        assert generation.fusion is None
+        assert not any("forward" in module.__dict__ for module in tiny.modules())  # the classes' forwards again
+
+
+def test_a_sparse_session_keeps_its_attention_and_gets_the_fused_norms(tiny, calls):
+    """Quest at a budget covering the context: the session's layers attend as before (no fused rotation or cache
+    write), while norms and MLP run fused; the tokens are those of the unfused engine."""
+    with sparse_decoding(tiny, method="quest", budget=64, page_size=4, dense_layers=()):
+        fused = _decode(tiny)
+        assert calls["rotary"] == 0 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
+        with _unfused():
+            unfused = _decode(tiny)
+    assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
+
+
+def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls):
+    """Layer 1 converted to Gated DeltaNet: its recurrent layer runs as before inside the fused layer (norms and MLP
+    fused), layer 0 keeps the fused rotation and cache write; the tokens are those of the unfused engine."""
+    from retrofit.convert.build import to_hybrid
+    from retrofit.hybrid import HybridSection
+
+    hybrid = to_hybrid(tiny, HybridSection(layers=[1], layer_type="gdn", base_model_type="llama"))
+    fused = _decode(hybrid)
+    assert calls["rotary"] == NEW_TOKENS - 1 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
+    with _unfused():
+        unfused = _decode(hybrid)
+    assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
+
+
+def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
+    """What a CUDA graph needs of the fused step (as tests/test_decode_step.py checks of the model's own layers):
+    the same aten operations on the same shapes every step, and the decode state's tensors kept in place."""
+    ids, mask = _prompt()
+    with torch.no_grad(), use_backend("triton"):
+        generation = StaticGeneration(tiny, ids, mask, 8, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        with generation.installed():
+            generation.prefill()
+            generation.step()
+            generation.after_step()
+            before = reachable_tensors(generation.cache_state())
+            traces, launches = [], []
+            for _ in range(3):
+                # the interpreter's own work inside a launch is hidden: it emulates the kernel on the CPU
+                with triton_launches() as launched, DispatchCount(record=True) as count:
+                    generation.step()
+                generation.after_step()
+                traces.append(count.trace)
+                launches.append(launched[0])
+            after = reachable_tensors(generation.cache_state())
+    assert before == after
+    assert all(trace == traces[0] for trace in traces)
+    assert launches == [2 * 6 + 1] * 3  # 6 Triton kernels per layer, the final norm
+
+
+def _first_step_logits(model, ids, mask, fused: bool) -> torch.Tensor:
+    """The logits of the first decode step after the prompt ([B, V], float32), through the fused layers or not."""
+    with torch.no_grad(), contextlib.nullcontext() if fused else _unfused():
+        generation = StaticGeneration(model, ids, mask, 4, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        with generation.installed():
+            generation.prefill()
+            with generation.fusion.decoding() if generation.fusion is not None else contextlib.nullcontext():
+                return generation._forward(generation.tokens[:, None], generation.positions, None).float()
+
+
+@pytest.mark.gpu
+def test_bf16_fused_step_is_as_close_to_float32_as_the_models_own_step():
+    """bf16 on CUDA (SmolLM2's shapes, 4 random layers): the fused kernels round where the model rounds (the down
+    projection's GEMM once instead of twice), so the fused step's logits are as far from the float32 model's as the
+    model's own bf16 step is (1.5x that error plus 1e-3 allows for rounding landing differently, while a wrong
+    kernel is off by order 1)."""
+    from retrofit.bench.configs import build_random_model
+
+    model32 = build_random_model("smollm2-135m", torch.float32, torch.device("cuda"), layers=4)
+    model16 = build_random_model("smollm2-135m", torch.bfloat16, torch.device("cuda"), layers=4)
+    model16.load_state_dict({name: tensor.to(torch.bfloat16) for name, tensor in model32.state_dict().items()})
+    ids = torch.randint(0, 49152, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :37] = 0
+    exact = _first_step_logits(model32, ids, mask, fused=False)
+    own, fused = (_first_step_logits(model16, ids, mask, fused=flag) for flag in (False, True))
+    own_error, fused_error = _relative(own, exact), _relative(fused, exact)
+    assert fused_error <= 1.5 * own_error + 1e-3, (fused_error, own_error)
