@@ -145,6 +145,17 @@ def test_fusion_is_installed_only_on_triton_and_undone_on_exit(tiny):
         assert not any("forward" in module.__dict__ for module in tiny.modules())  # the classes' forwards again
 
 
+def test_fuse_layers_false_keeps_the_models_own_layers_on_triton(tiny):
+    """The baseline of `retrofit bench --engine retrofit-unfused`: the same engine, nothing fused."""
+    ids, mask = _prompt()
+    with torch.no_grad(), use_backend("triton"):
+        generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=False)
+        with generation.installed():
+            assert generation.fusion is None
+            assert not any("forward" in module.__dict__ for module in tiny.modules())
+
+
 def test_a_sparse_session_keeps_its_attention_and_gets_the_fused_norms(tiny, calls):
     """Quest at a budget covering the context: the session's layers attend as before (no fused rotation or cache
     write), while norms and MLP run fused; the tokens are those of the unfused engine."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from retrofit.bench.measure import ENGINES
 from retrofit.errors import RetrofitError
 
 BENCH_HELP = """Measure prefill latency, decode latency per token, tokens/s, peak memory really allocated and the
@@ -30,8 +31,9 @@ Variants (dense always runs first, each variant after it; one model on the devic
       A+B: variant B opened on the model variant A yields, e.g. sparse decoding on a converted hybrid's
       softmax layers. seer:budget=N,random_gates=true: untrained gates of the right shape (speed only).
 \b
-Engines (--engine): retrofit (default; static cache, decode step captured as a CUDA graph on CUDA),
-  transformers (model.generate, growing cache), transformers-compile (model.generate with transformers'
+Engines (--engine, repeatable): retrofit (default; static cache, decode step captured as a CUDA graph on
+  CUDA, decoder layers fused on the Triton backend), retrofit-unfused (the same with the model's own decoder
+  layers), transformers (model.generate, growing cache), transformers-compile (model.generate with transformers'
   static cache and torch.compile; sparse variants are refused in their rows). Each point: --warmup runs,
   then --repeats timed runs; the table shows the medians, the spread, and the bytes floor of a step
   (weights + keys/values or states read, over the copy bandwidth measured at the start of the run).
@@ -64,15 +66,16 @@ Examples:
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
               help="Variant spec (repeatable): METHOD:budget=N[,key=value...], hybrid:DIR or convert:KIND:LAYERS.")
-@click.option("--engine", type=click.Choice(["retrofit", "transformers", "transformers-compile"]), default="retrofit",
-              show_default=True, help="What generates: retrofit's engine, or transformers' generate (see above).")
+@click.option("--engine", "engines", type=click.Choice(list(ENGINES)), multiple=True, default=("retrofit",),
+              show_default=True, help="What generates (repeatable: the engines run one after another in this run; "
+                                      "see above).")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median reported).")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs per point before the timed ones.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results here.")
 def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
                   sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
-                  engine: str, repeats: int, warmup: int, json_path: Path | None) -> None:
+                  engines: tuple[str, ...], repeats: int, warmup: int, json_path: Path | None) -> None:
     from retrofit.atomic import write_json
     import torch
 
@@ -121,7 +124,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     bandwidth = copy_bandwidth(torch_device)
     config = {"model": model_or_config, "source": source, "layers": model.config.num_hidden_layers,
               "contexts": context_list, "batches": batch_list, "decode_tokens": decode_tokens,
-              "engine": engine, "repeats": repeats, "warmup": warmup, "copy_bandwidth_bytes_per_s": bandwidth,
+              "engine": ",".join(engines), "repeats": repeats, "warmup": warmup, "copy_bandwidth_bytes_per_s": bandwidth,
               "device": str(torch_device), "dtype": dtype, "build_seconds": build_seconds,
               "parameters": sum(p.numel() for p in model.parameters()),
               "variants": ["dense"] + [variant.name for variant in variants],
@@ -135,9 +138,11 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
             write_json(json_path, {"results": [point.to_json() for point in points],
                                    "config": {**config, "complete": complete}})
 
-    points = run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens, engine=engine,
-                       repeats=repeats, warmup=warmup, bandwidth=bandwidth,
-                       on_point=lambda points: save(points, complete=False))
+    points = []
+    for engine in dict.fromkeys(engines):  # each engine once, in the order given
+        points += run_bench(model, variants, tokenizer, context_list, batch_list, decode_tokens, engine=engine,
+                            repeats=repeats, warmup=warmup, bandwidth=bandwidth,
+                            on_point=lambda engine_points: save(points + engine_points, complete=False))
     save(points, complete=True)
     click.echo(markdown_table(points, variant_notes(details), bandwidth))
 

@@ -1,9 +1,11 @@
 """Prefill and decode latency, tokens/s, peak memory, cache bytes and the bytes floor of one (context, batch) point.
 
-Three engines time the same random prompt:
+Four engines time the same random prompt:
 
 - ``retrofit`` (default): ``retrofit.generate``'s engine: a static cache, the decode step captured as a CUDA graph
-  on CUDA (eager elsewhere, and for methods whose step cannot be captured: RetrievalAttention);
+  on CUDA (eager elsewhere, and for methods whose step cannot be captured: RetrievalAttention), the supported decoder
+  layers fused on the Triton backend (:mod:`retrofit.generation.fused_layers`);
+- ``retrofit-unfused``: the same engine with the model's own decoder layers (what the fused layers save);
 - ``transformers``: ``model.generate`` with its growing cache; a logits processor stamps the time after every step
   (after a device synchronize): the first stamp ends the prefill;
 - ``transformers-compile``: ``model.generate`` with transformers' own static cache and ``torch.compile`` of the
@@ -26,7 +28,7 @@ import torch
 from retrofit.bench.floor import floor_seconds
 from retrofit.bench.memory import MemoryProbe, tensor_bytes
 
-ENGINES = ("retrofit", "transformers", "transformers-compile")
+ENGINES = ("retrofit", "retrofit-unfused", "transformers", "transformers-compile")
 
 
 @dataclass
@@ -98,15 +100,16 @@ def _random_prompt(model, context: int, batch: int, seed: int) -> torch.Tensor:
 SETTLE_STEPS = 2
 
 
-def time_retrofit(model, input_ids: torch.Tensor, decode_tokens: int) -> Sample:
-    """Prefill, settle (first step, capture), then ``decode_tokens`` timed steps of retrofit's engine."""
+def time_retrofit(model, input_ids: torch.Tensor, decode_tokens: int, fuse_layers: bool = True) -> Sample:
+    """Prefill, settle (first step, capture), then ``decode_tokens`` timed steps of retrofit's engine (with its
+    fused decoder layers, or the model's own)."""
     from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
     from retrofit.generation.generate import graphs_wanted
     from retrofit.generation.sampling import TokenChooser
 
     device = input_ids.device
     generation = StaticGeneration(model, input_ids, torch.ones_like(input_ids), decode_tokens + SETTLE_STEPS + 1,
-                                  TokenChooser(SamplingOptions(), device), eos=[], pad=0)
+                                  TokenChooser(SamplingOptions(), device), eos=[], pad=0, fuse_layers=fuse_layers)
     use_graph = graphs_wanted(generation, None)
     loop = DecodeLoop(generation, use_graph=use_graph)
     with generation.installed():
@@ -190,8 +193,8 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
     input_ids = _random_prompt(model, context, batch, seed)
 
     def timed() -> Sample:
-        if engine == "retrofit":
-            return time_retrofit(model, input_ids, decode_tokens)
+        if engine in ("retrofit", "retrofit-unfused"):
+            return time_retrofit(model, input_ids, decode_tokens, fuse_layers=engine == "retrofit")
         return time_transformers(model, input_ids, decode_tokens, compiled=engine == "transformers-compile")
 
     try:

@@ -44,9 +44,9 @@ def _percent(value: float) -> str:
 
 def markdown_table(points: list[BenchPoint], notes: list[str] | None = None, bandwidth: float | None = None) -> str:
     """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token (median, with its spread over
-    the repeats) and tokens/s, the speed-up over dense at the same point, the bytes floor of a step and the ratio to
+    the repeats) and tokens/s, the speed-up over dense at the same point and engine, the bytes floor of a step and the ratio to
     it, peak memory, its rise over the start, and cache MiB; then a legend and ``notes`` (one line each)."""
-    dense = {(p.context, p.batch): p for p in points if p.variant == "dense"}
+    dense = {(p.engine, p.context, p.batch): p for p in points if p.variant == "dense"}
     lines = ["| variant | engine | context | batch | prefill s | prefill tok/s | decode ms/tok | spread | decode tok/s | "
              "vs dense | floor ms | x floor | graph | peak GiB | Δpeak GiB | cache MiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
@@ -55,7 +55,7 @@ def markdown_table(points: list[BenchPoint], notes: list[str] | None = None, ban
         if point.error:
             lines.append(head + f" {point.error} |" + " |" * 11)
             continue
-        reference = dense.get((point.context, point.batch))
+        reference = dense.get((point.engine, point.context, point.batch))
         ratio = (point.decode_tokens_per_s / reference.decode_tokens_per_s
                  if reference and not reference.error and reference.decode_tokens_per_s > 0 else math.nan)
         graph = {True: "yes", False: "no", None: ""}[point.captured]

@@ -79,11 +79,13 @@ class StaticGeneration:
     ``input_ids [B, T]`` / ``attention_mask [B, T]`` (left-padded, checked by the caller), ``max_new_tokens`` N,
     ``chooser`` (greedy or sampling), ``eos`` and ``pad`` token ids. Attributes after :meth:`prefill`: ``out [B, C]``
     (C the cache capacity; the new tokens in its first N columns, ``pad`` after a row's end), ``finished_at [B]``
-    (index of each row's end token, N if none).
+    (index of each row's end token, N if none). ``fuse_layers=False`` keeps the model's own decoder layers in decode
+    steps on the Triton backend too (the fused ones' baseline in ``retrofit bench --engine retrofit-unfused``).
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 chooser: TokenChooser, eos: list[int], pad: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 chooser: TokenChooser, eos: list[int], pad: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 fuse_layers: bool = True):
         if prefill_chunk <= 0:
             raise RetrofitError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.model = model
@@ -99,6 +101,7 @@ class StaticGeneration:
         self.base_mask = mask_function_of(model)
         self.all_blocks: AllBlocks | None = None
         self.positions_of_buffer: torch.Tensor | None = None
+        self.fuse_layers = fuse_layers  # False: decode steps run the model's own decoder layers (for comparisons)
         self.fusion: DecodeFusion | None = None  # the fused decoder layers, while installed on the Triton backend
         # the device state a decode step reads and updates in place; sized by the cache's capacity, not by this
         # batch's prompt, so that :meth:`load` can put another batch of the same bucket into the same tensors
@@ -202,7 +205,7 @@ class StaticGeneration:
         on exit."""
         stack = ExitStack()
         stack.enter_context(attention_function(self.model, self.attention, "engine", mask_function=self.mask))
-        if backend_for(self.device) == "triton":
+        if self.fuse_layers and backend_for(self.device) == "triton":
             self.fusion = stack.enter_context(
                 DecodeFusion(self.model, self.cache, self.static_decode_attention).installed())
             stack.callback(setattr, self, "fusion", None)
