@@ -15,12 +15,13 @@ included, the prefill excluded; no end-of-sequence token stops it). ``aten ops``
 views and allocations included; ``kernels`` counts those that launch a GPU kernel (views, allocations and metadata
 queries left out: ``retrofit.bench.overhead.launches_kernel``) plus the Triton launches: the kernels a CUDA graph of
 the step holds, a few microseconds each. A Triton launch is not counted as aten operations (on the CPU the
-interpreter emulates it with copies that a GPU launch does not issue). With ``--backend triton`` the retrofit engine
-runs its fused decode layers (``retrofit.generation.fused_layers``), as it does on CUDA by default; with the PyTorch
-paths (the CPU default) it runs the model's own layers. Engines: ``transformers`` (``model.generate``, growing cache)
+interpreter emulates it with copies that a GPU launch does not issue). The fused decode layers
+(``retrofit.generation.fused_layers``, ``fuse_layers=True``) are installed only where the kernels run on Triton:
+``--backend triton`` on the CPU, or CUDA. Engines: ``transformers`` (``model.generate``, growing cache)
 and ``retrofit`` (``retrofit.generate``: static cache; on CUDA the step is a captured graph, so the host launches
-one graph per token); on CUDA also ``retrofit-eager``, the same step launched without the graph
-(``cuda_graph=False``), whose kernel launches per token are the kernels the graph holds (for this tiny model's
+one graph per token); where the kernels run on Triton also ``retrofit-fused`` (``fuse_layers=True``); on CUDA also
+``retrofit-eager`` / ``retrofit-fused-eager``, the same steps launched without the graph (``cuda_graph=False``),
+whose kernel launches per token are the kernels the graph holds (for this tiny model's
 shapes: cuBLAS may pick other kernels, e.g. split-K reductions, at Llama-3-8B's). Results in BENCHMARKS.md,
 "Current figures > End-to-end generation".
 """
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import retrofit  # noqa: E402
 from retrofit.bench.overhead import per_decode_token, triton_launches  # noqa: E402
-from retrofit.kernels import use_backend  # noqa: E402
+from retrofit.kernels import backend_for, use_backend  # noqa: E402
 from retrofit.sparse import sparse_decoding  # noqa: E402
 from retrofit.variants import parse_variant_spec  # noqa: E402
 
@@ -87,15 +88,22 @@ def generator(model, engine: str, ids: torch.Tensor):
     mask = torch.ones_like(ids)
     if engine == "transformers":
         return lambda n: model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
-    cuda_graph = False if engine == "retrofit-eager" else None
+    cuda_graph = False if engine.endswith("-eager") else None
+    fuse_layers = engine.startswith("retrofit-fused")
     return lambda n: retrofit.generate(model, ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0,
-                                       cuda_graph=cuda_graph)
+                                       cuda_graph=cuda_graph, fuse_layers=fuse_layers)
 
 
-def engines(device: torch.device) -> tuple[str, ...]:
+def engines(device: torch.device, backend: str) -> tuple[str, ...]:
     """The engines measured on ``device``: retrofit's step also without its graph on CUDA (to count the kernels the
-    graph holds); on the CPU the step is never captured, so that row would repeat ``retrofit``'s."""
-    return ("transformers", "retrofit", "retrofit-eager") if device.type == "cuda" else ("transformers", "retrofit")
+    graph holds; on the CPU the step is never captured, so that row would repeat ``retrofit``'s), and with its fused
+    decoder layers where the kernels run on Triton (elsewhere they are not installed)."""
+    names = ["transformers", "retrofit"] + (["retrofit-eager"] if device.type == "cuda" else [])
+    with use_backend(backend):
+        on_triton = backend_for(device) == "triton"
+    if on_triton:
+        names += ["retrofit-fused"] + (["retrofit-fused-eager"] if device.type == "cuda" else [])
+    return tuple(names)
 
 
 def launches_per_token(generate, tokens: int = 32, base: int = 8) -> dict[str, float]:
@@ -134,7 +142,7 @@ def main() -> None:
           "| CUDA launches / token |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in args.variants.split(","):
-        for engine in engines(device):
+        for engine in engines(device, args.backend):
             with torch.no_grad(), use_backend(args.backend), opened(model, VARIANTS[name]) as measured:
                 generate = generator(measured, engine, ids)
                 launched: dict[int, int] = {}  # new tokens -> Triton launches of that run

@@ -1,7 +1,7 @@
-"""The engine's fused decode layers (retrofit.generation.fused_layers): installed only on the Triton backend and only
-while the engine runs; a decode step through them gives the tokens and the cache of the model's own layers, for a
-dense model (rotation and cache write fused), inside a sparse session and in a converted hybrid (their attention runs
-as before; norms and MLP fused); and the fused step stays capturable (the same operations every step, nothing new
+"""The engine's fused decode layers (retrofit.generation.fused_layers): installed only when asked (``fuse_layers``),
+only on the Triton backend and only while the engine runs; a decode step through them gives the tokens and the cache
+of the model's own layers, for a dense model (rotation and cache write fused), inside a sparse session and in a
+converted hybrid (their attention runs as before; norms and MLP fused); and the fused step stays capturable (the same operations every step, nothing new
 allocated in the decode state).
 
 CPU, Triton interpreter, float32, on a tiny random Llama with awkward shapes (hidden 72, 9 query / 3 kv heads of 16
@@ -86,7 +86,8 @@ def _decode(model, steps: int = NEW_TOKENS - 1) -> StaticGeneration:
     """Prefill and ``steps`` decode steps on the Triton backend; the generation with its cache."""
     ids, mask = _prompt()
     with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(model, ids, mask, steps + 1, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        generation = StaticGeneration(model, ids, mask, steps + 1, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=True)
         with generation.installed():
             generation.prefill()
             for _ in range(steps):
@@ -127,7 +128,7 @@ def test_generate_with_fused_layers_equals_the_pytorch_path(tiny):
     for backend in ("torch", "triton"):
         with use_backend(backend):
             tokens[backend] = retrofit.generate(tiny, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                                                pad_token_id=0, keep_state=False)
+                                                pad_token_id=0, keep_state=False, fuse_layers=True)
     assert torch.equal(tokens["triton"], tokens["torch"])
 
 
@@ -136,7 +137,8 @@ def test_fusion_is_installed_only_on_triton_and_undone_on_exit(tiny):
     layers = tiny.model.layers
     for backend, expected in (("torch", None), ("triton", [0, 1])):
         with torch.no_grad(), use_backend(backend):
-            generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0)
+            generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=True)
             with generation.installed():
                 fusion = generation.fusion
                 assert (fusion.fused_layer_indices() if fusion else None) == expected
@@ -145,12 +147,12 @@ def test_fusion_is_installed_only_on_triton_and_undone_on_exit(tiny):
         assert not any("forward" in module.__dict__ for module in tiny.modules())  # the classes' forwards again
 
 
-def test_fuse_layers_false_keeps_the_models_own_layers_on_triton(tiny):
-    """The baseline of `retrofit bench --engine retrofit-unfused`: the same engine, nothing fused."""
+def test_the_engine_fuses_only_when_asked(tiny):
+    """fuse_layers is off by default (the fused kernels are not yet measured on a GPU): the model's own layers, also
+    on the Triton backend; the baseline of `retrofit bench --engine retrofit-fused`."""
     ids, mask = _prompt()
     with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=False)
+        generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0)
         with generation.installed():
             assert generation.fusion is None
             assert not any("forward" in module.__dict__ for module in tiny.modules())
@@ -186,7 +188,8 @@ def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
     the same aten operations on the same shapes every step, and the decode state's tensors kept in place."""
     ids, mask = _prompt()
     with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(tiny, ids, mask, 8, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        generation = StaticGeneration(tiny, ids, mask, 8, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=True)
         with generation.installed():
             generation.prefill()
             generation.step()
@@ -209,7 +212,8 @@ def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
 def _first_step_logits(model, ids, mask, fused: bool) -> torch.Tensor:
     """The logits of the first decode step after the prompt ([B, V], float32), through the fused layers or not."""
     with torch.no_grad(), contextlib.nullcontext() if fused else _unfused():
-        generation = StaticGeneration(model, ids, mask, 4, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        generation = StaticGeneration(model, ids, mask, 4, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=True)
         with generation.installed():
             generation.prefill()
             with generation.fusion.decoding() if generation.fusion is not None else contextlib.nullcontext():

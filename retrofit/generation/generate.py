@@ -97,7 +97,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | list[int] | None = None, streamer: Any = None, seed: int | None = None, *,
              pad_token_id: int | None = None, stop_check_every: int = DEFAULT_STOP_CHECK_EVERY,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cuda_graph: bool | None = None,
-             keep_state: bool = True) -> torch.Tensor:
+             keep_state: bool = True, fuse_layers: bool = False) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` after ``input_ids [B, T]`` -> ``[B, T + N]`` (prompt first), as
     transformers' ``model.generate`` would with the same options (greedy tokens are identical).
 
@@ -115,6 +115,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     step on the side for the model's next call of the same batch size and cache-length bucket (prompt + new tokens
     rounded up to 256 positions), which then only loads its prompt and replays; one state per model, freed by a
     call of another shape, by the model's deletion, or by ``retrofit.generation.release(model)``.
+
+    ``fuse_layers``: where the kernels run on Triton, decode steps run Llama, Mistral and Qwen2 decoder layers through
+    fused kernels (13 per layer instead of 41; :mod:`retrofit.generation.fused_layers`). Off by default until measured
+    on a GPU; greedy tokens equal the unfused engine's on the CPU's Triton interpreter.
     """
     input_ids, attention_mask = checked_prompt(model, input_ids, attention_mask, max_new_tokens)
     options = SamplingOptions.checked(do_sample, temperature, top_p, seed)
@@ -126,14 +130,15 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     pad = default_pad_token_id(model=model) if pad_token_id is None else int(pad_token_id)
     # greedy decoding outside a sparse session reuses the previous call's cache and graph (retrofit.generation.kept)
     keepable = keep_state and not options.do_sample and active_session(model) is None
-    key = reuse_key(model, (tuple(eos), pad, prefill_chunk, cuda_graph)) if keepable else None
+    key = reuse_key(model, (tuple(eos), pad, prefill_chunk, cuda_graph, fuse_layers)) if keepable else None
     kept = take(model, key, input_ids, max_new_tokens)  # frees a kept state that does not fit (or is not wanted)
     if kept is not None:
         generation = kept.generation
         generation.load(input_ids, attention_mask, max_new_tokens)
     else:
         generation = StaticGeneration(model, input_ids, attention_mask, max_new_tokens,
-                                      TokenChooser(options, input_ids.device), eos, pad, prefill_chunk)
+                                      TokenChooser(options, input_ids.device), eos, pad, prefill_chunk,
+                                      fuse_layers=fuse_layers)
     use_graph = graphs_wanted(generation, cuda_graph)
     if streamer is not None:
         streamer.put(input_ids.cpu())
