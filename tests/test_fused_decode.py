@@ -1,14 +1,14 @@
 """The engine's fused decode layers (retrofit.generation.fused_layers): installed only when asked (``fuse_layers``),
 only on the Triton backend and only while the engine runs; a decode step through them gives the tokens and the cache
 of the model's own layers, for a dense model (rotation and cache write fused), inside a sparse session and in a
-converted hybrid (their attention runs as before; norms and MLP fused); and the fused step stays capturable (the same operations every step, nothing new
-allocated in the decode state).
+converted hybrid (their attention runs as before; norms and MLP fused); and the fused step stays capturable (the
+same operations every step, nothing new allocated in the decode state).
 
 CPU, Triton interpreter, float32, on a tiny random Llama with awkward shapes (hidden 72, 9 query / 3 kv heads of 16
 dims, MLP 100, two layers), a ragged batch of two. "Unfused" is the same engine on the same backend with no layer
-fused: both run the same Triton attention, so they differ only by the fused kernels' float32 rounding (a different
-summation order in the norms, the down projection's GEMM adding the residual before rounding): ~1e-7 relative per
-operation. CACHE_TOL = 1e-5 relative RMS on the caches after the decode bounds that over two layers and a few steps;
+fused (``fuse_layers=False``): both run the same Triton attention, so they differ only by the fused kernels' float32
+rounding (a different summation order in the norms, the down projection's GEMM adding the residual before
+rounding): ~1e-7 relative per operation. CACHE_TOL = 1e-5 relative RMS on the caches after the decode bounds that over two layers and a few steps;
 a wrong position, head or rotation is of order 1. Greedy tokens are compared exactly (logit gaps are far larger).
 """
 from __future__ import annotations
@@ -74,20 +74,13 @@ def calls(monkeypatch):
     return counted
 
 
-@contextlib.contextmanager
-def _unfused():
-    """The engine with no layer fused (the model's own forward everywhere), the backend unchanged."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused_layers.FusedDecoderLayer, "of", classmethod(lambda cls, layer, fusion: None))
-        yield
-
-
-def _decode(model, steps: int = NEW_TOKENS - 1) -> StaticGeneration:
-    """Prefill and ``steps`` decode steps on the Triton backend; the generation with its cache."""
+def _decode(model, fuse_layers: bool = True, steps: int = NEW_TOKENS - 1) -> StaticGeneration:
+    """Prefill and ``steps`` decode steps on the Triton backend, through the fused layers or the model's own; the
+    generation with its cache."""
     ids, mask = _prompt()
     with torch.no_grad(), use_backend("triton"):
         generation = StaticGeneration(model, ids, mask, steps + 1, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=True)
+                                      fuse_layers=fuse_layers)
         with generation.installed():
             generation.prefill()
             for _ in range(steps):
@@ -111,8 +104,7 @@ def test_dense_fused_steps_give_the_unfused_tokens_and_cache(architecture, tiny,
     model = tiny if architecture == "llama" else _tiny(architecture)
     fused = _decode(model)
     assert calls["rotary"] == 2 * (NEW_TOKENS - 1)  # both layers, every decode step, rotated and wrote the cache
-    with _unfused():
-        unfused = _decode(model)
+    unfused = _decode(model, fuse_layers=False)
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
     for mine, theirs in zip(_static_layers(fused), _static_layers(unfused), strict=True):
         # the layer's bookkeeping is what StaticLayer.update leaves: the same counter, the same buffers
@@ -164,8 +156,7 @@ def test_a_sparse_session_keeps_its_attention_and_gets_the_fused_norms(tiny, cal
     with sparse_decoding(tiny, method="quest", budget=64, page_size=4, dense_layers=()):
         fused = _decode(tiny)
         assert calls["rotary"] == 0 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
-        with _unfused():
-            unfused = _decode(tiny)
+        unfused = _decode(tiny, fuse_layers=False)
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
 
 
@@ -178,8 +169,7 @@ def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls):
     hybrid = to_hybrid(tiny, HybridSection(layers=[1], layer_type="gdn", base_model_type="llama"))
     fused = _decode(hybrid)
     assert calls["rotary"] == NEW_TOKENS - 1 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
-    with _unfused():
-        unfused = _decode(hybrid)
+    unfused = _decode(hybrid, fuse_layers=False)
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
 
 
@@ -211,9 +201,9 @@ def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
 
 def _first_step_logits(model, ids, mask, fused: bool) -> torch.Tensor:
     """The logits of the first decode step after the prompt ([B, V], float32), through the fused layers or not."""
-    with torch.no_grad(), contextlib.nullcontext() if fused else _unfused():
+    with torch.no_grad():
         generation = StaticGeneration(model, ids, mask, 4, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=True)
+                                      fuse_layers=fused)
         with generation.installed():
             generation.prefill()
             with generation.fusion.decoding() if generation.fusion is not None else contextlib.nullcontext():

@@ -44,8 +44,8 @@ def _percent(value: float) -> str:
 
 def markdown_table(points: list[BenchPoint], notes: list[str] | None = None, bandwidth: float | None = None) -> str:
     """One row per (variant, context, batch): prefill s and tokens/s, decode ms/token (median, with its spread over
-    the repeats) and tokens/s, the speed-up over dense at the same point and engine, the bytes floor of a step and the ratio to
-    it, peak memory, its rise over the start, and cache MiB; then a legend and ``notes`` (one line each)."""
+    the repeats) and tokens/s, the speed-up over dense at the same point and engine, the bytes floor of a step and the
+    ratio to it, peak memory, its rise over the start, and cache MiB; then a legend and ``notes`` (one line each)."""
     dense = {(p.engine, p.context, p.batch): p for p in points if p.variant == "dense"}
     lines = ["| variant | engine | context | batch | prefill s | prefill tok/s | decode ms/tok | spread | decode tok/s | "
              "vs dense | floor ms | x floor | graph | peak GiB | Δpeak GiB | cache MiB |",

@@ -17,7 +17,7 @@ key once per group); where the kernels run their PyTorch paths (the CPU), throug
 
 Decoder layers: with ``fuse_layers=True``, where the kernels run on Triton (CUDA by default), a decode step runs the
 supported layers (Llama, Mistral, Qwen2) through their fused forward (:mod:`retrofit.generation.fused_layers`: fused
-norms, MLP activation, rotation and cache write; 13 kernels per layer instead of 41, counted on the CPU); prefill
+norms, MLP activation, rotation and cache write; 13 kernels per layer instead of 40, counted on the CPU); prefill
 chunks run the model's own layers. Off by default: the fused kernels have run only under the CPU's Triton
 interpreter so far, not on a GPU (BENCHMARKS.md, End-to-end generation > Decode overhead).
 """

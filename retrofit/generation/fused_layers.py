@@ -1,18 +1,20 @@
 """The decode step's decoder layers with fewer kernels: the fused forward of a Llama-family layer for one token.
 
-transformers' own forward of a Llama decoder layer launches 41 kernels per decode token in float32 (seven GEMMs, the
-two attention kernels and a dtype conversion for them, each RMSNorm six, more in bf16, the rotation of q and k ten,
-the static cache's index arithmetic and copies five, the MLP's SiLU and product two, the residual adds two). Inside a CUDA graph each costs a few microseconds whatever its size, which at
+transformers' own forward of a Llama decoder layer launches 40 kernels per decode token in float32 under the engine
+(seven GEMMs, the two attention kernels, each RMSNorm six, more in bf16, the rotation of q and k ten, the static
+cache's index arithmetic and copies five, the MLP's SiLU and product two, the residual adds two; counted by
+``benchmarks/decode_overhead.py``). Inside a CUDA graph each costs a few microseconds whatever its size, which at
 batch 1 is most of a decode step. While :class:`DecodeFusion` is installed, a decode step of a supported layer runs
 
     rms_norm -> q, k, v projections -> rotary_qk_into_cache (rotate q and k, write k and v into the static cache)
     -> the engine's decode attention -> o projection -> add_rms_norm (residual add and norm, one kernel)
     -> gate, up projections -> silu_mul -> down projection added onto the residual in place (one GEMM, beta = 1)
 
-with the kernels of :mod:`retrofit.kernels`: 13 kernels (7 GEMMs, 2 for the attention, 4 fused ones). The math is the model's: float32 norm statistics rounded
-as ``LlamaRMSNorm`` rounds, the rotation's products rounded as ``apply_rotary_pos_emb`` rounds. The one difference is
-that the down projection's GEMM adds the residual before rounding once (the model rounds the product, then the sum).
-No weight is copied or merged: the projections read the modules' weights through transposed views.
+with the kernels of :mod:`retrofit.kernels`: 13 kernels (7 GEMMs, 2 for the attention, 4 fused ones). The math is the
+model's: float32 norm statistics rounded as ``LlamaRMSNorm`` rounds, the rotation's products rounded as
+``apply_rotary_pos_emb`` rounds. The one difference is that the down projection's GEMM adds the residual before
+rounding once (the model rounds the product, then the sum). No weight is copied or merged: the projections read the
+modules' weights through transposed views.
 
 Supported: Llama, Mistral and Qwen2 decoder layers (their forward is the one above) whose norms are the model's
 RMSNorm and whose MLP is SiLU-gated with plain ``nn.Linear`` projections. The rotation and the cache write are fused

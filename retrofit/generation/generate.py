@@ -117,7 +117,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     call of another shape, by the model's deletion, or by ``retrofit.generation.release(model)``.
 
     ``fuse_layers``: where the kernels run on Triton, decode steps run Llama, Mistral and Qwen2 decoder layers through
-    fused kernels (13 per layer instead of 41; :mod:`retrofit.generation.fused_layers`). Off by default until measured
+    fused kernels (13 per layer instead of 40; :mod:`retrofit.generation.fused_layers`). Off by default until measured
     on a GPU; greedy tokens equal the unfused engine's on the CPU's Triton interpreter.
     """
     input_ids, attention_mask = checked_prompt(model, input_ids, attention_mask, max_new_tokens)
