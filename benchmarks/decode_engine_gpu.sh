@@ -11,7 +11,7 @@ OUT=${1:?usage: decode_engine_gpu.sh OUT_DIR}
 mkdir -p "$OUT"
 python -m pytest -q -m gpu tests/test_generation_gpu.py tests/test_bench.py 2>&1 | tee "$OUT/gpu_tests.log"
 python benchmarks/decode_overhead.py --device cuda --json "$OUT/decode_overhead_cuda.json" | tee "$OUT/decode_overhead_cuda.md"
-for engine in retrofit retrofit-fused transformers transformers-compile; do
+for engine in retrofit retrofit-unfused transformers transformers-compile; do
   retrofit bench llama3-8b --context 4k,32k,127k --batch 1,8 --device cuda --dtype bfloat16 \
     --variant quest:budget=2048 --variant clusterkv:budget=2048 --variant seer:budget=2048,random_gates=true \
     --variant streaming:budget=2048 --variant convert:gdn:not:every:4 --variant convert:kda:not:every:4 \

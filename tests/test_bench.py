@@ -87,14 +87,15 @@ def test_bench_cli_runs_each_engine_given_and_compares_each_with_its_own_dense(t
     out = tmp_path / "bench.json"
     result = run("bench", "smollm2-135m", "--layers", "2", "--context", "32", "--batch", "1", "--decode-tokens", "2",
                  "--device", "cpu", "--variant", "quest:budget=16", "--engine", "retrofit", "--engine",
-                 "retrofit-fused", "--json", str(out), "--repeats", "1", "--warmup", "0")
+                 "retrofit-unfused", "--json", str(out), "--repeats", "1", "--warmup", "0")
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
     assert [(p["engine"], p["variant"]) for p in payload["results"]] == [
-        ("retrofit", "dense"), ("retrofit", "quest@16"), ("retrofit-fused", "dense"), ("retrofit-fused", "quest@16")]
-    assert payload["config"]["engine"] == "retrofit,retrofit-fused" and payload["config"]["complete"] is True
+        ("retrofit", "dense"), ("retrofit", "quest@16"), ("retrofit-unfused", "dense"),
+        ("retrofit-unfused", "quest@16")]
+    assert payload["config"]["engine"] == "retrofit,retrofit-unfused" and payload["config"]["complete"] is True
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| dense |")]
-    assert [row[1] for row in rows] == ["retrofit", "retrofit-fused"]
+    assert [row[1] for row in rows] == ["retrofit", "retrofit-unfused"]
     assert [row[9] for row in rows] == ["1.00x", "1.00x"]  # each dense row is its own engine's reference
 
 

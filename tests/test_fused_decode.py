@@ -1,5 +1,5 @@
-"""The engine's fused decode layers (retrofit.generation.fused_layers): installed only when asked (``fuse_layers``),
-only on the Triton backend and only while the engine runs; a decode step through them gives the tokens and the cache
+"""The engine's fused decode layers (retrofit.generation.fused_layers): installed by default (not with
+``fuse_layers=False``), only on the Triton backend and only while the engine runs; a decode step through them gives the tokens and the cache
 of the model's own layers, for a dense model (rotation and cache write fused), inside a sparse session and in a
 converted hybrid (their attention runs as before; norms and MLP fused); and the fused step stays capturable (the
 same operations every step, nothing new allocated in the decode state).
@@ -139,15 +139,18 @@ def test_fusion_is_installed_only_on_triton_and_undone_on_exit(tiny):
         assert not any("forward" in module.__dict__ for module in tiny.modules())  # the classes' forwards again
 
 
-def test_the_engine_fuses_only_when_asked(tiny):
-    """fuse_layers is off by default (the fused kernels are not yet measured on a GPU): the model's own layers, also
-    on the Triton backend; the baseline of `retrofit bench --engine retrofit-fused`."""
+def test_the_engine_fuses_by_default_and_not_when_told(tiny):
+    """On the Triton backend the engine fuses unless ``fuse_layers=False`` (the model's own layers: the baseline of
+    `retrofit bench --engine retrofit-unfused`)."""
     ids, mask = _prompt()
     with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0)
-        with generation.installed():
-            assert generation.fusion is None
-            assert not any("forward" in module.__dict__ for module in tiny.modules())
+        for options, expected in (({}, [0, 1]), ({"fuse_layers": False}, None)):
+            generation = StaticGeneration(tiny, ids, mask, 2, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                          **options)
+            with generation.installed():
+                fusion = generation.fusion
+                assert (fusion.fused_layer_indices() if fusion else None) == expected
+                assert any("forward" in module.__dict__ for module in tiny.modules()) == (expected is not None)
 
 
 def test_a_sparse_session_keeps_its_attention_and_gets_the_fused_norms(tiny, calls):

@@ -51,27 +51,32 @@ def _prompt(batch: int = 2, length: int = 300) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_graph_replays_give_the_eager_tokens(cuda_model, variant):
+FUSED_VARIANTS = ["dense", "quest", "convert:gdn:not:every:4"]
+
+
+@pytest.mark.parametrize(("variant", "fuse_layers"), [*((v, False) for v in VARIANTS),
+                                                      *((v, True) for v in FUSED_VARIANTS)])
+def test_graph_replays_give_the_eager_tokens(cuda_model, variant, fuse_layers):
     ids, mask = _prompt()
+    options = {"eos_token_id": [], "pad_token_id": 0, "fuse_layers": fuse_layers}
     with _opened(cuda_model, variant) as model:
-        eager = retrofit.generate(model, ids, mask, max_new_tokens=48, eos_token_id=[], pad_token_id=0,
-                                  cuda_graph=False)
-        graphed = retrofit.generate(model, ids, mask, max_new_tokens=48, eos_token_id=[], pad_token_id=0,
-                                    cuda_graph=True)
-        sampled = [retrofit.generate(model, ids, mask, max_new_tokens=24, do_sample=True, seed=5, eos_token_id=[],
-                                     pad_token_id=0, cuda_graph=graph) for graph in (False, True)]
+        eager = retrofit.generate(model, ids, mask, max_new_tokens=48, cuda_graph=False, **options)
+        graphed = retrofit.generate(model, ids, mask, max_new_tokens=48, cuda_graph=True, **options)
+        sampled = [retrofit.generate(model, ids, mask, max_new_tokens=24, do_sample=True, seed=5,
+                                     cuda_graph=graph, **options) for graph in (False, True)]
     assert torch.equal(eager, graphed), (eager != graphed).sum()
     assert torch.equal(sampled[0], sampled[1])  # the generator's state advances in the graph as eagerly
 
 
-@pytest.mark.parametrize("variant", ["dense", "quest", "convert:gdn:not:every:4"])
-def test_replays_allocate_nothing_and_launch_one_graph_per_token(cuda_model, variant):
+@pytest.mark.parametrize("fuse_layers", [False, True])
+@pytest.mark.parametrize("variant", FUSED_VARIANTS)
+def test_replays_allocate_nothing_and_launch_one_graph_per_token(cuda_model, variant, fuse_layers):
     from torch.profiler import ProfilerActivity, profile
 
     ids, mask = _prompt()
     with _opened(cuda_model, variant) as model, torch.no_grad():
-        generation = StaticGeneration(model, ids, mask, 64, TokenChooser(SamplingOptions(), ids.device), [], 0)
+        generation = StaticGeneration(model, ids, mask, 64, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=fuse_layers)
         loop = DecodeLoop(generation, use_graph=True)
         with generation.installed():
             generation.prefill()
@@ -128,9 +133,11 @@ def smollm2_cuda(smollm2):
     return copy.deepcopy(model).to("cuda"), tokenizer
 
 
+@pytest.mark.parametrize("fuse_layers", [False, True])
 @pytest.mark.parametrize("variant", ["dense", "quest", "hybrid"])
-def test_real_smollm2_engine_equals_transformers_on_cuda(variant, smollm2_cuda):
-    """64 new tokens, ragged batch of 2, fp32: graphed engine (Triton kernels) vs transformers' generate (SDPA)."""
+def test_real_smollm2_engine_equals_transformers_on_cuda(variant, fuse_layers, smollm2_cuda):
+    """64 new tokens, ragged batch of 2, fp32: graphed engine (Triton kernels, the decoder layers fused or the
+    model's own) vs transformers' generate (SDPA)."""
     from retrofit.convert.build import to_hybrid
     from retrofit.hybrid import HybridSection
 
@@ -146,5 +153,5 @@ def test_real_smollm2_engine_equals_transformers_on_cuda(variant, smollm2_cuda):
                else contextlib.nullcontext())
     with session:
         tokens = retrofit.generate(model, inputs.input_ids, inputs.attention_mask, max_new_tokens=64,
-                                   pad_token_id=tokenizer.pad_token_id, cuda_graph=True)
+                                   pad_token_id=tokenizer.pad_token_id, cuda_graph=True, fuse_layers=fuse_layers)
     assert torch.equal(tokens, reference), (tokens != reference).sum()

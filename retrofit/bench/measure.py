@@ -3,9 +3,10 @@
 Four engines time the same random prompt:
 
 - ``retrofit`` (default): ``retrofit.generate``'s engine: a static cache, the decode step captured as a CUDA graph
-  on CUDA (eager elsewhere, and for methods whose step cannot be captured: RetrievalAttention);
-- ``retrofit-fused``: the same engine with ``fuse_layers=True``: the supported decoder layers fused where the kernels
-  run on Triton (:mod:`retrofit.generation.fused_layers`; what they save, side by side with ``retrofit``);
+  on CUDA (eager elsewhere, and for methods whose step cannot be captured: RetrievalAttention), the supported decoder
+  layers fused where the kernels run on Triton (:mod:`retrofit.generation.fused_layers`);
+- ``retrofit-unfused``: the same engine with ``fuse_layers=False``: the model's own decoder layers (what the fused
+  layers save, side by side with ``retrofit``);
 - ``transformers``: ``model.generate`` with its growing cache; a logits processor stamps the time after every step
   (after a device synchronize): the first stamp ends the prefill;
 - ``transformers-compile``: ``model.generate`` with transformers' own static cache and ``torch.compile`` of the
@@ -28,7 +29,7 @@ import torch
 from retrofit.bench.floor import floor_seconds
 from retrofit.bench.memory import MemoryProbe, tensor_bytes
 
-ENGINES = ("retrofit", "retrofit-fused", "transformers", "transformers-compile")
+ENGINES = ("retrofit", "retrofit-unfused", "transformers", "transformers-compile")
 
 
 @dataclass
@@ -100,7 +101,7 @@ def _random_prompt(model, context: int, batch: int, seed: int) -> torch.Tensor:
 SETTLE_STEPS = 2
 
 
-def time_retrofit(model, input_ids: torch.Tensor, decode_tokens: int, fuse_layers: bool = False) -> Sample:
+def time_retrofit(model, input_ids: torch.Tensor, decode_tokens: int, fuse_layers: bool = True) -> Sample:
     """Prefill, settle (first step, capture), then ``decode_tokens`` timed steps of retrofit's engine (with its
     fused decoder layers, or the model's own)."""
     from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
@@ -193,8 +194,8 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
     input_ids = _random_prompt(model, context, batch, seed)
 
     def timed() -> Sample:
-        if engine in ("retrofit", "retrofit-fused"):
-            return time_retrofit(model, input_ids, decode_tokens, fuse_layers=engine == "retrofit-fused")
+        if engine in ("retrofit", "retrofit-unfused"):
+            return time_retrofit(model, input_ids, decode_tokens, fuse_layers=engine == "retrofit")
         return time_transformers(model, input_ids, decode_tokens, compiled=engine == "transformers-compile")
 
     try:

@@ -95,7 +95,10 @@ class PerToken:
 def per_decode_token(generate: Callable[[int], Any], tokens: int = 32, base: int = 8) -> PerToken:
     """Counts of ``generate(max_new_tokens)`` at ``base + tokens`` minus at ``base`` new tokens, over ``tokens``:
     the cost of one more decode step, stop checks included and the prefill excluded (generation must not end
-    early: no end-of-sequence token)."""
+    early: no end-of-sequence token). One uncounted ``generate(base)`` first: a model's first call of a shape builds
+    the cache that later calls keep (and on CUDA captures the step), which would otherwise count against the
+    shorter run only (and make a replayed step's count negative)."""
+    generate(base)
     with DispatchCount() as short:
         generate(base)
     with DispatchCount() as long:

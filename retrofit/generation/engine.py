@@ -15,11 +15,12 @@ masks. A decode token attends over the static buffer through ``retrofit.kernels.
 selection of every block (the kernel reads only each row's valid positions ``[row_start, written)``; GQA reads each
 key once per group); where the kernels run their PyTorch paths (the CPU), through SDPA with the mask of that range. Inside ``retrofit.sparse_decoding`` the session's layers go to the session, which selects.
 
-Decoder layers: with ``fuse_layers=True``, where the kernels run on Triton (CUDA by default), a decode step runs the
-supported layers (Llama, Mistral, Qwen2) through their fused forward (:mod:`retrofit.generation.fused_layers`: fused
-norms, MLP activation, rotation and cache write; 13 kernels per layer instead of 40, counted on the CPU); prefill
-chunks run the model's own layers. Off by default: the fused kernels have run only under the CPU's Triton
-interpreter so far, not on a GPU (BENCHMARKS.md, End-to-end generation > Decode overhead).
+Decoder layers: where the kernels run on Triton (CUDA by default), a decode step runs the supported layers (Llama,
+Mistral, Qwen2) through their fused forward (:mod:`retrofit.generation.fused_layers`: fused norms, MLP activation,
+rotation and cache write; about 14 kernels per layer instead of 41 on the H200); prefill chunks run the model's own
+layers. ``fuse_layers=False`` keeps the model's own layers for decode too (the baseline of ``retrofit bench --engine
+retrofit-unfused``). On the H200 at Llama-3-8B shapes the fused step is 1.35x faster at 4K x 1 (BENCHMARKS.md,
+Current figures > End-to-end generation).
 """
 from __future__ import annotations
 
@@ -81,13 +82,14 @@ class StaticGeneration:
     ``input_ids [B, T]`` / ``attention_mask [B, T]`` (left-padded, checked by the caller), ``max_new_tokens`` N,
     ``chooser`` (greedy or sampling), ``eos`` and ``pad`` token ids. Attributes after :meth:`prefill`: ``out [B, C]``
     (C the cache capacity; the new tokens in its first N columns, ``pad`` after a row's end), ``finished_at [B]``
-    (index of each row's end token, N if none). ``fuse_layers``: decode steps run the supported decoder layers fused
-    where the kernels run on Triton (see the module docstring; ``retrofit bench --engine retrofit-fused``).
+    (index of each row's end token, N if none). ``fuse_layers`` (default on): decode steps run the supported decoder
+    layers fused where the kernels run on Triton (see the module docstring; off: ``retrofit bench --engine
+    retrofit-unfused``).
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  chooser: TokenChooser, eos: list[int], pad: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 fuse_layers: bool = False):
+                 fuse_layers: bool = True):
         if prefill_chunk <= 0:
             raise RetrofitError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.model = model
