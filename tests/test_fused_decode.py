@@ -176,6 +176,55 @@ def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls):
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
 
 
+def _storage_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters."""
+    storages = {parameter.untyped_storage().data_ptr(): parameter.untyped_storage().nbytes()
+                for parameter in model.parameters()}
+    return sum(storages.values())
+
+
+def test_q_k_v_move_into_one_buffer_once_keeping_their_parameters_values_and_memory():
+    """Qwen2 (biases on q, k, v): after a fused decode each layer's q, k and v weights (and biases) are consecutive row
+    blocks of one storage holding exactly them, the same Parameter objects with the same values; the model holds
+    the same bytes as before; a second fused run finds them merged and moves nothing."""
+    model = _tiny("qwen2")
+    attention = model.model.layers[1].self_attn
+    modules = [attention.q_proj, attention.k_proj, attention.v_proj]
+    for kind in ("weight", "bias"):
+        parameters = [getattr(module, kind) for module in modules]
+        assert len({parameter.untyped_storage().data_ptr() for parameter in parameters}) == 3
+    values = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    objects = {name: id(parameter) for name, parameter in model.named_parameters()}
+    held = _storage_bytes(model)
+    _decode(model, steps=1)
+    assert {name: id(parameter) for name, parameter in model.named_parameters()} == objects
+    assert all(torch.equal(parameter, values[name]) for name, parameter in model.named_parameters())
+    assert _storage_bytes(model) == held
+    for kind in ("weight", "bias"):
+        parameters = [getattr(module, kind) for module in modules]
+        storage = parameters[0].untyped_storage()
+        assert all(parameter.untyped_storage().data_ptr() == storage.data_ptr() for parameter in parameters)
+        assert storage.nbytes() == sum(parameter.numel() * parameter.element_size() for parameter in parameters)
+        assert [parameter.storage_offset() for parameter in parameters] == [
+            0, parameters[0].numel(), parameters[0].numel() + parameters[1].numel()]
+    merged_at = attention.q_proj.weight.untyped_storage().data_ptr()
+    _decode(model, steps=1)
+    assert attention.q_proj.weight.untyped_storage().data_ptr() == merged_at
+
+
+def test_a_model_decoded_with_fused_layers_saves_and_loads_its_weights(tmp_path):
+    """save_pretrained writes the merged q, k, v views as separate tensors; from_pretrained reads the same values."""
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny("llama")
+    _decode(model, steps=1)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    theirs = loaded.state_dict()
+    assert sorted(theirs) == sorted(model.state_dict())
+    assert all(torch.equal(tensor, theirs[name]) for name, tensor in model.state_dict().items())
+
+
 def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
     """What a CUDA graph needs of the fused step (as tests/test_decode_step.py checks of the model's own layers):
     the same aten operations on the same shapes every step, and the decode state's tensors kept in place."""

@@ -17,10 +17,10 @@ key once per group); where the kernels run their PyTorch paths (the CPU), throug
 
 Decoder layers: where the kernels run on Triton (CUDA by default), a decode step runs the supported layers (Llama,
 Mistral, Qwen2) through their fused forward (:mod:`retrofit.generation.fused_layers`: fused norms, MLP activation,
-rotation and cache write; about 14 kernels per layer instead of 41 on the H200); prefill chunks run the model's own
+rotation and cache write, q/k/v as one GEMM; 11 kernels per layer instead of 40); prefill chunks run the model's own
 layers. ``fuse_layers=False`` keeps the model's own layers for decode too (the baseline of ``retrofit bench --engine
-retrofit-unfused``). On the H200 at Llama-3-8B shapes the fused step is 1.35x faster at 4K x 1 (BENCHMARKS.md,
-Current figures > End-to-end generation).
+retrofit-unfused``). At Llama-3-8B shapes the fused step is 1.35x faster at 4K x 1 (BENCHMARKS.md, Current figures >
+End-to-end generation).
 """
 from __future__ import annotations
 

@@ -6,15 +6,19 @@ cache's index arithmetic and copies five, the MLP's SiLU and product two, the re
 ``benchmarks/decode_overhead.py``). Inside a CUDA graph each costs a few microseconds whatever its size, which at
 batch 1 is most of a decode step. While :class:`DecodeFusion` is installed, a decode step of a supported layer runs
 
-    rms_norm -> q, k, v projections -> rotary_qk_into_cache (rotate q and k, write k and v into the static cache)
-    -> the engine's decode attention -> o projection -> add_rms_norm (residual add and norm, one kernel)
-    -> gate, up projections -> silu_mul -> down projection added onto the residual in place (one GEMM, beta = 1)
+    rms_norm -> q, k, v projections as one GEMM -> rotary_qk_into_cache (rotate q and k, write k and v into the
+    static cache) -> the engine's decode attention -> o projection -> add_rms_norm (residual add and norm, one
+    kernel) -> gate, up projections -> silu_mul -> down projection added onto the residual in place (one GEMM, beta 1)
 
-with the kernels of :mod:`retrofit.kernels`: 13 kernels (7 GEMMs, 2 for the attention, 4 fused ones). The math is the
+with the kernels of :mod:`retrofit.kernels`: 11 kernels (5 GEMMs, 2 for the attention, 4 fused ones). The math is the
 model's: float32 norm statistics rounded as ``LlamaRMSNorm`` rounds, the rotation's products rounded as
 ``apply_rotary_pos_emb`` rounds. The one difference is that the down projection's GEMM adds the residual before
-rounding once (the model rounds the product, then the sum). No weight is copied or merged: the projections read the
-modules' weights through transposed views.
+rounding once (the model rounds the product, then the sum). The projections read the modules' weights through
+transposed views, nothing copied; q, k and v read theirs as one ``[out_q + out_k + out_v, hidden]`` matrix: the
+first time a layer is fused, its three weights (and biases) move into one buffer, row block after row block, and
+the modules' Parameters become views of it (the same Parameter objects and values, no memory added; reading them as
+one GEMM takes 20.9 us instead of 30.9 at Llama-3-8B's shapes on an H100: BENCHMARKS.md, Kernel time per decode
+token). ``save_pretrained`` writes such views as separate tensors.
 
 Supported: Llama, Mistral and Qwen2 decoder layers (their forward is the one above) whose norms are the model's
 RMSNorm and whose MLP is SiLU-gated with plain ``nn.Linear`` projections. The rotation and the cache write are fused
@@ -80,6 +84,60 @@ class Projection:
         return residual if self.bias is None else residual.add_(self.bias)
 
 
+def rows_of_one_buffer(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """``parameters`` (same dtype, device and trailing shape) as consecutive row blocks of one tensor
+    ``[sum of rows, *trailing]``. Where they are not that already, they are moved there: one buffer is allocated, each
+    block copied in, and each Parameter's data becomes its view (so the old storages are freed: no memory added once
+    done, one block's worth on the way)."""
+    first = parameters[0]
+    rows = sum(parameter.shape[0] for parameter in parameters)
+    shape = (rows, *first.shape[1:])
+    offsets = [first.storage_offset()]
+    for parameter in parameters[:-1]:
+        offsets.append(offsets[-1] + parameter.numel())
+    already = all(parameter.is_contiguous() and parameter.untyped_storage().data_ptr()
+                  == first.untyped_storage().data_ptr() and parameter.storage_offset() == offset
+                  for parameter, offset in zip(parameters, offsets))
+    if already:
+        return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+    buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
+    row = 0
+    with torch.no_grad():
+        for parameter in parameters:
+            block = buffer[row: row + parameter.shape[0]]
+            block.copy_(parameter)
+            parameter.data = block
+            row += parameter.shape[0]
+    return buffer
+
+
+@dataclass(frozen=True)
+class MergedProjection:
+    """Several ``nn.Linear`` on the same input as one GEMM over their weights' rows in one buffer
+    (:func:`rows_of_one_buffer`); ``x [B, in]`` -> one ``[B, out_i]`` column view per module."""
+
+    weight_t: torch.Tensor  # [in, sum of out]
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, modules) -> "MergedProjection | None":
+        if any(type(module) is not torch.nn.Linear for module in modules):
+            return None
+        weights, biases = [module.weight for module in modules], [module.bias for module in modules]
+        if len({(weight.dtype, weight.device, weight.shape[1]) for weight in weights}) != 1:
+            return None
+        if any(bias is None for bias in biases) and not all(bias is None for bias in biases):
+            return None
+        bias = None if biases[0] is None else rows_of_one_buffer(biases)
+        return cls(rows_of_one_buffer(weights).t(), bias, tuple(weight.shape[0] for weight in weights))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, in] -> ([B, out_0], [B, out_1], ...), views of one [B, sum of out] product."""
+        out = torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        return out.split(self.sizes, dim=1)
+
+
 @dataclass(frozen=True)
 class Norm:
     """An RMSNorm module's weight and epsilon."""
@@ -98,9 +156,7 @@ class Norm:
 class FusedAttention:
     """The attention module's projections and shapes, for the fused rotation, cache write and attention."""
 
-    q: Projection
-    k: Projection
-    v: Projection
+    qkv: MergedProjection
     o: Projection
     heads: int
     kv_heads: int
@@ -114,13 +170,14 @@ class FusedAttention:
         config = getattr(module, "config", None)
         if getattr(config, "partial_rotary_factor", 1.0) != 1.0 or getattr(module, "sliding_window", None):
             return None
-        projections = [Projection.of(getattr(module, name, None)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if any(projection is None for projection in projections):
+        o = Projection.of(getattr(module, "o_proj", None))
+        if o is None:
             return None
-        q, k, v, o = projections
+        qkv = MergedProjection.of([getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")])
+        if qkv is None:
+            return None
         head_dim = module.head_dim
-        return cls(q, k, v, o, q.weight_t.shape[1] // head_dim, k.weight_t.shape[1] // head_dim, head_dim,
-                   float(module.scaling))
+        return cls(qkv, o, qkv.sizes[0] // head_dim, qkv.sizes[1] // head_dim, head_dim, float(module.scaling))
 
 
 class FusedDecoderLayer:
@@ -180,9 +237,9 @@ class FusedDecoderLayer:
                                "step needs the model's (cos, sin)")
         cos, sin = kwargs["position_embeddings"]
         B, D = normed.shape[0], attention.head_dim
-        queries = rotary_qk_into_cache(attention.q(normed).view(B, attention.heads, D),
-                                       attention.k(normed).view(B, attention.kv_heads, D),
-                                       attention.v(normed).view(B, attention.kv_heads, D), cos, sin,
+        q, k, v = attention.qkv(normed)
+        queries = rotary_qk_into_cache(q.view(B, attention.heads, D), k.view(B, attention.kv_heads, D),
+                                       v.view(B, attention.kv_heads, D), cos, sin,
                                        layer.keys, layer.values, layer.cumulative_length)
         attended = self.fusion.attend(layer, queries, attention.scale)
         return attention.o(attended.view(B, attention.heads * D))
