@@ -33,9 +33,9 @@ Variants (dense always runs first, each variant after it; one model on the devic
 \b
 Engines (--engine, repeatable): retrofit (default; static cache, decode step captured as a CUDA graph on
   CUDA, Llama/Mistral/Qwen2 decoder layers through fused kernels where they run on Triton), retrofit-unfused
-  (the same with the model's own decoder layers: fuse_layers=False), transformers (model.generate, growing cache), transformers-compile
-  (model.generate with transformers' static cache and torch.compile; sparse variants are refused in their
-  rows). Each point: --warmup runs, then --repeats timed runs; the table shows the medians, the spread, and
+  (the same with the model's own decoder layers: fuse_layers=False), transformers (model.generate, growing
+  cache), transformers-compile (model.generate with transformers' static cache and torch.compile; sparse
+  variants are refused in their rows). Each point: --warmup runs, then --repeats timed runs; the table shows the medians, the spread, and
   the bytes floor of a step (weights + keys/values or states read, over the copy bandwidth measured at the
   start of the run).
 \b

@@ -88,7 +88,7 @@ def rows_of_one_buffer(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     """``parameters`` (same dtype, device and trailing shape) as consecutive row blocks of one tensor
     ``[sum of rows, *trailing]``. Where they are not that already, they are moved there: one buffer is allocated, each
     block copied in, and each Parameter's data becomes its view (so the old storages are freed: no memory added once
-    done, one block's worth on the way)."""
+    done, the buffer's size on the way)."""
     first = parameters[0]
     rows = sum(parameter.shape[0] for parameter in parameters)
     shape = (rows, *first.shape[1:])
