@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
-BLOCK = 64  # the engine's DENSE_BLOCK
+NEW_TOKENS = 64  # cache capacity: the context and this many new tokens, rounded up as the engine rounds
 
 
 def _bench(fn) -> float:
@@ -31,18 +31,17 @@ def _bench(fn) -> float:
 
 
 def attention_rows(contexts: list[int], batches: list[int]) -> list[dict]:
+    from retrofit.generation.engine import AllBlocks, cache_capacity
     from retrofit.kernels.sparse_decode import sparse_decode_attention
 
     rows = []
     for batch in batches:
         for context in contexts:
-            capacity = -(-(context + 64) // 256) * 256
+            capacity = cache_capacity(context + NEW_TOKENS)
             keys = torch.randn(batch, KV_HEADS, capacity, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             values = torch.randn_like(keys)
             query = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            blocks = capacity // BLOCK
-            indices = torch.arange(blocks, device="cuda", dtype=torch.int32).expand(batch, KV_HEADS, blocks).contiguous()
-            counts = torch.full((batch, KV_HEADS), blocks, device="cuda", dtype=torch.int32)
+            every_block = AllBlocks.of(keys)  # the selection the engine's dense step reads
             start = torch.zeros(batch, device="cuda", dtype=torch.int64)
             end = torch.full((1,), context, device="cuda", dtype=torch.int64).expand(batch)
             read = 2 * batch * KV_HEADS * context * HEAD_DIM * keys.element_size()
@@ -51,8 +50,9 @@ def attention_rows(contexts: list[int], batches: list[int]) -> list[dict]:
                     if splits is None and block_n != 64:
                         continue
                     launch = {} if splits is None else {"num_splits": splits, "block_n": block_n}
-                    us = _bench(lambda: sparse_decode_attention(query, keys, values, indices, counts, start, end,
-                                                                block_size=BLOCK, **launch))
+                    us = _bench(lambda: sparse_decode_attention(query, keys, values, every_block.indices,
+                                                                every_block.counts, start, end,
+                                                                block_size=every_block.block_size, **launch))
                     row = {"part": "attention", "batch": batch, "context": context,
                            "launch": "default" if splits is None else f"splits {splits}, block_n {block_n}",
                            "us": us, "GB/s": read / us / 1e3}

@@ -1,8 +1,9 @@
 """The engine's fused decode layers (retrofit.generation.fused_layers): installed by default (not with
-``fuse_layers=False``), only on the Triton backend and only while the engine runs; a decode step through them gives the tokens and the cache
-of the model's own layers, for a dense model (rotation and cache write fused), inside a sparse session and in a
-converted hybrid (their attention runs as before; norms and MLP fused); and the fused step stays capturable (the
-same operations every step, nothing new allocated in the decode state).
+``fuse_layers=False``), only on the Triton backend and only while the engine runs; a decode step through them gives
+the tokens and the cache of the model's own layers, for a dense model (rotation and cache write fused), inside a
+sparse session and in a converted hybrid (their attention runs as before; norms and MLP fused); q, k and v move once
+into one buffer without changing the model's values or bytes; and the fused step stays capturable (the same
+operations every step, nothing new allocated in the decode state).
 
 CPU, Triton interpreter, float32, on a tiny random Llama with awkward shapes (hidden 72, 9 query / 3 kv heads of 16
 dims, MLP 100, two layers), a ragged batch of two. "Unfused" is the same engine on the same backend with no layer

@@ -99,7 +99,8 @@ def rows_of_one_buffer(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
                   == first.untyped_storage().data_ptr() and parameter.storage_offset() == offset
                   for parameter, offset in zip(parameters, offsets))
     if already:
-        return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+        # a contiguous tensor's strides depend only on its trailing dimensions: the first block's serve the whole
+        return first.detach().as_strided(shape, first.stride(), first.storage_offset())
     buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
     row = 0
     with torch.no_grad():
