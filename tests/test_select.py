@@ -286,23 +286,42 @@ def test_recipe_select_settings_are_checked_before_model_work(calib_data_dir, tm
 
 def test_recipe_select_settings_reach_the_selector_of_convert(smollm2, calib_data_dir, tmp_path, capsys):
     """``retrofit convert`` with ``layers: fraction:F`` scores with the recipe's ``select:`` settings (here a tiny
-    budget and a 256-token needle probe) and converts the layer the printed ranking puts first."""
+    budget and a 256-token needle probe) and converts the layer the printed ranking puts first; interrupted in stage 2
+    and resumed, the run takes that layer from its work directory instead of scoring again."""
     import yaml
 
+    from retrofit.convert.checkpoint import SELECTION_FILE, work_dir_for
     from retrofit.convert.pipeline import convert
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "to": "gdn", "layers": "fraction:0.03", "tokens": 128, "seq_len": 32, "batch_size": 2,
-        "stage1_fraction": 0.5, "checkpoint_every": 0,
+        "to": "gdn", "layers": "fraction:0.03", "tokens": 256, "seq_len": 32, "batch_size": 2,
+        "stage1_fraction": 0.5, "checkpoint_every": 1,
         "select": {"align_steps": 1, "batch_size": 1, "probe_windows": 1, "retrieval_probes": 1,
                    "probe_context": 256, "retrieval_weight": 2.0, "seed": 4}}))
-    out = convert(smollm2, recipe=str(recipe), data=[str(calib_data_dir)], out=tmp_path / "hybrid", device="cpu")
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_in_stage2(stage, step):
+        if stage == 2 and step == 1:  # after the checkpoint of stage 2's first step
+            raise Interrupt
+
+    settings = dict(recipe=str(recipe), data=[str(calib_data_dir)], out=tmp_path / "hybrid", device="cpu")
+    with pytest.raises(Interrupt):
+        convert(smollm2, on_step=stop_in_stage2, **settings)
     printed = capsys.readouterr().out
     assert "cost = KL / mean(KL) + 2 x needle mass / mean(needle mass)" in printed
     assert "retrieval probes: 1 per context of 256 tokens" in printed
     first = int(re.search(r"^\| 1 \| (\d+) \|", printed, flags=re.M).group(1))
+    assert json.loads((work_dir_for(tmp_path / "hybrid") / SELECTION_FILE).read_text())["layers"] == [first]
+
+    out = convert(smollm2, resume=True, **settings)
+    printed = capsys.readouterr().out
+    assert f"layers {first}: scored when this run started" in printed
+    assert "needle mass" not in printed and "retrieval probes" not in printed  # no ranking, no probe: not scored
     assert json.loads((out / "config.json").read_text())["retrofit"]["layers"] == [first]
+    assert not work_dir_for(out).exists()  # the finished run leaves no work directory (selection record included)
 
 
 # The select command with a small budget in its own process, its peak RSS as it prints it: the kernel's high-water mark

@@ -2,20 +2,24 @@
 
 A run keeps one checkpoint file, ``<work_dir>/train_state.pt``; ``--resume`` reloads it and the run continues at the
 saved (stage, step) and ends with the same weights as an uninterrupted run (the batch of a step depends only on the
-step number, see :class:`retrofit.convert.data.BatchSampler`).
+step number, see :class:`retrofit.convert.data.BatchSampler`). A run whose layers were scored (``fraction:F``) also
+keeps ``<work_dir>/selection.json``, the layers it chose and what they were chosen from, so that a resumed run skips
+the scoring (40-75 s on an H200 for SmolLM2's 30 layers).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
 
 import torch
 
-from retrofit.atomic import torch_load, torch_save
+from retrofit.atomic import torch_load, torch_save, write_json
 from retrofit.errors import RetrofitError
 
 STATE_FILE = "train_state.pt"
+SELECTION_FILE = "selection.json"
 
 
 def work_dir_for(out: str | os.PathLike) -> Path:
@@ -129,3 +133,30 @@ def load_train_state(work_dir: Path, fingerprint: dict) -> dict | None:
         raise RetrofitError(f"the checkpoint in {work_dir} was written by a run with other settings "
                             f"({', '.join(diff)}); rerun with the same settings or without --resume")
     return state
+
+
+def _plain(value):
+    """``value`` as JSON gives it back (tuples become lists), so a key read from disk compares equal to a fresh one."""
+    return json.loads(json.dumps(value))
+
+
+def save_selection(work_dir: Path, scored_from: dict, layers: list[int]) -> Path:
+    """Remember the scored choice ``layers`` of this run and ``scored_from`` (model, data, settings: what the scores
+    depend on), atomically, for :func:`selection_of_earlier_run`."""
+    return write_json(work_dir / SELECTION_FILE, {"scored_from": _plain(scored_from), "layers": list(layers)})
+
+
+def selection_of_earlier_run(work_dir: Path, scored_from: dict) -> list[int] | None:
+    """The layers an earlier part of this run chose from the same ``scored_from``; None when there is no record, it
+    is unreadable or it was scored from something else (then the caller scores again)."""
+    path = work_dir / SELECTION_FILE
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("scored_from") != _plain(scored_from):
+        return None
+    layers = saved.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        return None
+    return layers

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -163,7 +164,7 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
 
 def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume, overwrite,
                     show_progress, on_step, deadline) -> Path:
-    from retrofit.convert.checkpoint import work_dir_for
+    from retrofit.convert.checkpoint import SELECTION_FILE, save_selection, selection_of_earlier_run, work_dir_for
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
     from retrofit.convert.build import to_hybrid
@@ -189,13 +190,25 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
                                       seed=config.seed + (0 if length == config.seq_len else length),
                                       show_progress=show_progress and rank == 0)
     windows = pools[config.seq_len]
+    run_key = {"model": str(settings["model"]), "to": kind,
+               "data": [f"{f}:{f.stat().st_size}" for f in files], "config": config.to_dict(),
+               "layer_spec": spec.to_dict(), "world_size": world}
+    work_dir = work_dir_for(out)
     if parsed.needs_scoring:
-        ranking = rank_layers(dense, tokenizer, windows, data, kind, select, device=torch_device,
-                              show_progress=show_progress and rank == 0)
-        chosen = choose(ranking.scores, parsed.fraction, layout.num_layers)
-        if rank == 0 and show_progress:
-            print(ranking_table(ranking.scores, chosen))
-            print(ranking.summary())
+        scored_from = {**run_key, "layers": str(settings.get("layers")), "select": dataclasses.asdict(select)}
+        chosen = selection_of_earlier_run(work_dir, scored_from) if resume else None
+        if chosen is not None:
+            if rank == 0 and show_progress:
+                print(f"layers {', '.join(map(str, chosen))}: scored when this run started ({work_dir / SELECTION_FILE})")
+        else:
+            ranking = rank_layers(dense, tokenizer, windows, data, kind, select, device=torch_device,
+                                  show_progress=show_progress and rank == 0)
+            chosen = choose(ranking.scores, parsed.fraction, layout.num_layers)
+            if rank == 0:
+                save_selection(work_dir, scored_from, chosen)
+                if show_progress:
+                    print(ranking_table(ranking.scores, chosen))
+                    print(ranking.summary())
     else:
         chosen = list(parsed.indices)
     import torch.distributed as dist
@@ -208,10 +221,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
     section = HybridSection(layers=chosen, layer_type=kind, base_model_type=dense.config.model_type,
                             layer_spec=spec.to_dict())
     hybrid = to_hybrid(dense, section, share_weights=False)
-    fingerprint = {"model": str(settings["model"]), "to": kind, "layers": chosen,
-                   "data": [f"{f}:{f.stat().st_size}" for f in files], "config": config.to_dict(),
-                   "layer_spec": spec.to_dict(), "world_size": world}
-    work_dir = work_dir_for(out)
+    fingerprint = {**run_key, "layers": chosen}
     distiller = Distiller(dense, hybrid, chosen, config, pools, work_dir, fingerprint, torch_device,
                           resume=resume, show_progress=show_progress, on_step=on_step, deadline=deadline)
     model = distiller.run()
