@@ -154,14 +154,33 @@ def test_the_engine_fuses_by_default_and_not_when_told(tiny):
                 assert any("forward" in module.__dict__ for module in tiny.modules()) == (expected is not None)
 
 
+def _gemms_in_a_decode_step(model, fuse_layers: bool) -> int:
+    """The GEMMs (aten mm / addmm) of the second decode step after the prompt."""
+    ids, mask = _prompt()
+    with torch.no_grad(), use_backend("triton"):
+        generation = StaticGeneration(model, ids, mask, 4, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=fuse_layers)
+        with generation.installed():
+            generation.prefill()
+            generation.step()
+            generation.after_step()
+            with DispatchCount(record=True) as count:
+                generation.step()
+    return sum(name.split(".")[1] in ("mm", "addmm", "addmm_") for name, _, _ in count.trace)
+
+
 def test_a_sparse_session_keeps_its_attention_and_gets_the_fused_norms(tiny, calls):
     """Quest at a budget covering the context: the session's layers attend as before (no fused rotation or cache
-    write), while norms and MLP run fused; the tokens are those of the unfused engine."""
+    write; their attention modules run, their q, k and v projections served from one GEMM), while norms and MLP run
+    fused; the tokens are those of the unfused engine."""
     with sparse_decoding(tiny, method="quest", budget=64, page_size=4, dense_layers=()):
         fused = _decode(tiny)
         assert calls["rotary"] == 0 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
         unfused = _decode(tiny, fuse_layers=False)
+        gemms = {fuse: _gemms_in_a_decode_step(tiny, fuse) for fuse in (True, False)}
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
+    # per layer: q, k, v, o, gate, up, down (7) unfused; q/k/v as one, o, gate, up, down (5) fused; + the LM head
+    assert (gemms[False], gemms[True]) == (2 * 7 + 1, 2 * 5 + 1)
 
 
 def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls):
