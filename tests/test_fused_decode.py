@@ -18,6 +18,7 @@ import contextlib
 
 import pytest
 import torch
+from _testing import rel_rms
 
 import retrofit
 from retrofit.bench.memory import reachable_tensors
@@ -90,10 +91,6 @@ def _decode(model, fuse_layers: bool = True, steps: int = NEW_TOKENS - 1) -> Sta
     return generation
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def _static_layers(generation: StaticGeneration) -> list:
     from transformers.cache_utils import StaticLayer
 
@@ -110,7 +107,7 @@ def test_dense_fused_steps_give_the_unfused_tokens_and_cache(architecture, tiny,
     for mine, theirs in zip(_static_layers(fused), _static_layers(unfused), strict=True):
         # the layer's bookkeeping is what StaticLayer.update leaves: the same counter, the same buffers
         assert int(mine.cumulative_length) == int(theirs.cumulative_length) == PROMPT_LENGTH + NEW_TOKENS - 1
-        assert _relative(mine.keys, theirs.keys) < CACHE_TOL and _relative(mine.values, theirs.values) < CACHE_TOL
+        assert rel_rms(mine.keys, theirs.keys) < CACHE_TOL and rel_rms(mine.values, theirs.values) < CACHE_TOL
 
 
 def test_generate_with_fused_layers_equals_the_pytorch_path(tiny):
@@ -298,5 +295,5 @@ def test_bf16_fused_step_is_as_close_to_float32_as_the_models_own_step():
     mask[0, :37] = 0
     exact = _first_step_logits(model32, ids, mask, fused=False)
     own, fused = (_first_step_logits(model16, ids, mask, fused=flag) for flag in (False, True))
-    own_error, fused_error = _relative(own, exact), _relative(fused, exact)
+    own_error, fused_error = rel_rms(own, exact), rel_rms(fused, exact)
     assert fused_error <= 1.5 * own_error + 1e-3, (fused_error, own_error)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _testing import rel_rms
 from transformers import DynamicCache
 
 from retrofit.hybrid import load_hybrid
@@ -12,10 +13,6 @@ from retrofit.convert.init import init_from_attention
 from retrofit.kernels import use_backend
 
 pytestmark = pytest.mark.gpu
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel tests: relative RMS error and NaN poisoning of fresh buffers."""
+"""Helpers shared by the tests: relative RMS error and NaN poisoning of fresh buffers."""
 from __future__ import annotations
 
 import contextlib
