@@ -199,7 +199,8 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
         chosen = selection_of_earlier_run(work_dir, scored_from) if resume else None
         if chosen is not None:
             if rank == 0 and show_progress:
-                print(f"layers {', '.join(map(str, chosen))}: scored when this run started ({work_dir / SELECTION_FILE})")
+                print(f"layers {', '.join(map(str, chosen))}: scored when this run started "
+                      f"({work_dir / SELECTION_FILE})")
         else:
             ranking = rank_layers(dense, tokenizer, windows, data, kind, select, device=torch_device,
                                   show_progress=show_progress and rank == 0)

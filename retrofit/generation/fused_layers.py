@@ -26,8 +26,8 @@ where the layer's cache is a plain ``transformers.cache_utils.StaticLayer`` (the
 attention module is the model's own with plain projections; elsewhere (a ``retrofit.sparse_decoding`` session's
 layers, the linear-attention layers of a converted hybrid, sliding-window layers) the layer's own attention module
 runs and only the norms and the MLP are fused, except that a model's own attention module (a sparse session's) gets
-its q, k and v from the one GEMM (:meth:`MergedProjection.served`): 5 GEMMs a layer instead of 7. Prefill chunks and anything outside :meth:`DecodeFusion.decoding` run
-the layers' own forward unchanged.
+its q, k and v from the one GEMM (:meth:`MergedProjection.served`): 5 GEMMs a layer instead of 7. Prefill chunks and
+anything outside :meth:`DecodeFusion.decoding` run the layers' own forward unchanged.
 
 A fused layer writes the token's key and value at position ``cumulative_length - 1`` of its ``StaticLayer``: the
 step advances the counters of all those layers first, in one ``_foreach_add_`` (what ``StaticLayer.update`` does
@@ -50,6 +50,23 @@ RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 # (layer's StaticLayer, rotated queries [B, Hq, D], scale) -> attention output [B, Hq, D]
 DecodeAttention = Callable[[StaticLayer, torch.Tensor, float], torch.Tensor]
+
+
+@contextlib.contextmanager
+def forwards_replaced(replacements: list[tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
+    """Inside the block each module's ``forward`` is its replacement (an instance attribute, so ``module(...)`` calls
+    it, hooks included); on exit whatever the module held there before is put back."""
+    saved = [(module, module.__dict__.get("forward")) for module, _ in replacements]
+    try:
+        for module, forward in replacements:
+            module.forward = forward
+        yield
+    finally:
+        for module, previous in saved:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
 
 
 def _from_transformers(module: torch.nn.Module, names: frozenset[str]) -> bool:
@@ -146,25 +163,14 @@ class MergedProjection:
         usual. So an attention module that projects its input three times runs as written on one GEMM."""
         B, T, width = hidden.shape
         outputs = [out.view(B, T, -1) for out in self(hidden.view(B * T, width))]
-        saved = [module.__dict__.get("forward") for module in modules]
 
-        def serving(module, output):
-            own = module.forward
-
+        def serving(own, output):
             def forward(x):
                 return output if x is hidden else own(x)
             return forward
 
-        try:
-            for module, output in zip(modules, outputs):
-                module.forward = serving(module, output)
+        with forwards_replaced([(module, serving(module.forward, output)) for module, output in zip(modules, outputs)]):
             yield
-        finally:
-            for module, previous in zip(modules, saved):
-                if previous is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = previous
 
 
 @dataclass(frozen=True)
@@ -326,20 +332,11 @@ class DecodeFusion:
     def installed(self) -> Iterator["DecodeFusion"]:
         """The fused forwards stand in for the modules' own inside the block (instance attributes, removed on exit,
         whatever the module held there before put back)."""
-        replaced = [(fused.layer, fused) for fused in self.layers]
+        replaced = [(fused.layer, fused.forward) for fused in self.layers]
         if self.final_norm is not None:
-            replaced.append((self.final_norm.module, self.final_norm))
-        saved = [(module, module.__dict__.get("forward")) for module, _ in replaced]
-        try:
-            for module, fused in replaced:
-                module.forward = fused.forward
+            replaced.append((self.final_norm.module, self.final_norm.forward))
+        with forwards_replaced(replaced):
             yield self
-        finally:
-            for module, previous in saved:
-                if previous is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = previous
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
