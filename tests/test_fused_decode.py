@@ -76,19 +76,26 @@ def calls(monkeypatch):
     return counted
 
 
-def _decode(model, fuse_layers: bool = True, steps: int = NEW_TOKENS - 1) -> StaticGeneration:
-    """Prefill and ``steps`` decode steps on the Triton backend, through the fused layers or the model's own; the
-    generation with its cache."""
+@contextlib.contextmanager
+def _decoding(model, fuse_layers: bool = True, steps: int = NEW_TOKENS - 1, new_tokens: int | None = None):
+    """Inside the block: the engine on the Triton backend, installed, after the prefill and ``steps`` decode steps
+    through the fused layers or the model's own; its cache holds ``new_tokens`` (default ``steps + 1``)."""
     ids, mask = _prompt()
     with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(model, ids, mask, steps + 1, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=fuse_layers)
+        generation = StaticGeneration(model, ids, mask, new_tokens or steps + 1,
+                                      TokenChooser(SamplingOptions(), ids.device), [], 0, fuse_layers=fuse_layers)
         with generation.installed():
             generation.prefill()
             for _ in range(steps):
                 generation.step()
                 generation.after_step()
-    return generation
+            yield generation
+
+
+def _decode(model, fuse_layers: bool = True, steps: int = NEW_TOKENS - 1) -> StaticGeneration:
+    """Prefill and ``steps`` decode steps (see :func:`_decoding`); the generation with its cache."""
+    with _decoding(model, fuse_layers, steps) as generation:
+        return generation
 
 
 def _static_layers(generation: StaticGeneration) -> list:
@@ -153,16 +160,8 @@ def test_the_engine_fuses_by_default_and_not_when_told(tiny):
 
 def _gemms_in_a_decode_step(model, fuse_layers: bool) -> int:
     """The GEMMs (aten mm / addmm) of the second decode step after the prompt."""
-    ids, mask = _prompt()
-    with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(model, ids, mask, 4, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=fuse_layers)
-        with generation.installed():
-            generation.prefill()
-            generation.step()
-            generation.after_step()
-            with DispatchCount(record=True) as count:
-                generation.step()
+    with _decoding(model, fuse_layers, steps=1, new_tokens=4) as generation, DispatchCount(record=True) as count:
+        generation.step()
     return sum(name.split(".")[1] in ("mm", "addmm", "addmm_") for name, _, _ in count.trace)
 
 
@@ -245,24 +244,17 @@ def test_a_model_decoded_with_fused_layers_saves_and_loads_its_weights(tmp_path)
 def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
     """What a CUDA graph needs of the fused step (as tests/test_decode_step.py checks of the model's own layers):
     the same aten operations on the same shapes every step, and the decode state's tensors kept in place."""
-    ids, mask = _prompt()
-    with torch.no_grad(), use_backend("triton"):
-        generation = StaticGeneration(tiny, ids, mask, 8, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=True)
-        with generation.installed():
-            generation.prefill()
-            generation.step()
+    with _decoding(tiny, steps=1, new_tokens=8) as generation:
+        before = reachable_tensors(generation.cache_state())
+        traces, launches = [], []
+        for _ in range(3):
+            # the interpreter's own work inside a launch is hidden: it emulates the kernel on the CPU
+            with triton_launches() as launched, DispatchCount(record=True) as count:
+                generation.step()
             generation.after_step()
-            before = reachable_tensors(generation.cache_state())
-            traces, launches = [], []
-            for _ in range(3):
-                # the interpreter's own work inside a launch is hidden: it emulates the kernel on the CPU
-                with triton_launches() as launched, DispatchCount(record=True) as count:
-                    generation.step()
-                generation.after_step()
-                traces.append(count.trace)
-                launches.append(launched[0])
-            after = reachable_tensors(generation.cache_state())
+            traces.append(count.trace)
+            launches.append(launched[0])
+        after = reachable_tensors(generation.cache_state())
     assert before == after
     assert all(trace == traces[0] for trace in traces)
     assert launches == [2 * 6 + 1] * 3  # 6 Triton kernels per layer, the final norm
