@@ -1,18 +1,22 @@
-"""Sparse-decode attention (one decode token over selected cache blocks), the per-step block scoring and top-k.
+"""Sparse-decode attention (one decode token over selected cache blocks), the per-step block scoring and top-k, and
+Quest's per-step page metadata.
 
 Triton kernels and their pure-PyTorch references; the public functions run either, as ``retrofit.kernels.backend``
 picks (Triton on CUDA, the reference elsewhere).
 """
 from .attention import sparse_decode_attention
+from .quest_pages import quest_page_update
 from .reference import (
+    block_topk_ref,
     cluster_scores_ref,
     quest_page_scores_ref,
+    quest_page_update_ref,
     selected_positions,
     sparse_decode_attention_ref,
     topk_indices_ref,
 )
 from .scoring import cluster_scores, quest_page_scores
-from .topk import topk_indices
+from .topk import block_topk, topk_indices
 
 __all__ = [
     "sparse_decode_attention",
@@ -23,5 +27,9 @@ __all__ = [
     "cluster_scores_ref",
     "topk_indices",
     "topk_indices_ref",
+    "block_topk",
+    "block_topk_ref",
+    "quest_page_update",
+    "quest_page_update_ref",
     "selected_positions",
 ]

@@ -122,7 +122,7 @@ def _default_splits(rows: int, max_tokens: int, block_n: int, device: torch.devi
     return max(1, min(splits, math.ceil(max_tokens / block_n), 64))
 
 
-def _positions(bounds: torch.Tensor) -> torch.Tensor:
+def bounds_as_read(bounds: torch.Tensor) -> torch.Tensor:
     """kv_start / kv_end [B] as the kernel reads them: int32 or int64 as given (a static cache's int64 length
     counter, expanded to the rows with stride 0, is read in place: no conversion kernel), other dtypes as int32."""
     return bounds if bounds.dtype in (torch.int32, torch.int64) else bounds.to(torch.int32)
@@ -162,7 +162,7 @@ def sparse_decode_attention_triton(
     scale = D**-0.5 if scale is None else scale
     indices = indices.to(torch.int32)
     counts = counts.to(torch.int32).contiguous()
-    kv_start, kv_end = _positions(kv_start), _positions(kv_end)
+    kv_start, kv_end = bounds_as_read(kv_start), bounds_as_read(kv_end)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     block_n = block_n or (64 if block_size <= 64 else 128)

@@ -108,3 +108,45 @@ def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     order = torch.sort(-scores.float(), dim=-1, stable=True).indices[:, :k]
     return order.sort(dim=-1).values.to(torch.int32)
+
+
+def block_topk_ref(scores: torch.Tensor, k: int, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                   block_size: int) -> torch.Tensor:
+    """The ``k`` best blocks of each row of a static buffer, the newest always among them.
+
+    scores [B, Hkv, P] fp32 of the P blocks of ``block_size`` positions, kv_start/kv_end [B] -> indices [B, Hkv, k]
+    int32, ascending, as :func:`topk_indices_ref` picks them after two overrides: a block holding no valid position
+    of its row (it ends at or before ``kv_start`` or starts at or after ``kv_end``) scores -inf, then the block
+    holding position ``kv_end - 1`` (the decoded token) scores +inf, as in the authors' Quest and SeerAttention kernels
+    (top-k over the other blocks, the newest appended). ``scores`` is left as it is.
+    """
+    B, H, P = scores.shape
+    first = torch.arange(P, device=scores.device) * block_size
+    start, end = kv_start.long()[:, None], kv_end.long()[:, None]
+    empty = (first[None, :] + block_size <= start) | (first[None, :] >= end)  # [B, P]
+    masked = scores.float().masked_fill(empty[:, None, :], float("-inf"))
+    newest = ((end - 1) // block_size)[:, None, :].expand(-1, H, 1)  # [B, Hkv, 1]
+    masked = masked.scatter(2, newest, float("inf"))
+    return topk_indices_ref(masked.reshape(B * H, P), k).view(B, H, k)
+
+
+def quest_page_update_ref(keys: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
+                          write_pos: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                          page_size: int) -> None:
+    """Quest's metadata of the page holding the token just written at ``write_pos - 1``, recomputed in place.
+
+    keys [B, Hkv, N, D], page_min/page_max [B, Hkv, P, D] (P pages of ``page_size`` cover N), write_pos [1] long (the
+    same position for every row: a static cache's decode step), kv_start/kv_end [B] -> page_min/page_max of that page
+    set to the element-wise min and max over its keys at valid positions ``kv_start[b] <= pos < kv_end[b]`` (0 where
+    a row has none there).
+    """
+    B, H, N, D = keys.shape
+    page = (write_pos.long() - 1) // page_size  # [1]
+    positions = page * page_size + torch.arange(page_size, device=keys.device)  # [page_size]
+    valid = (positions[None, :] >= kv_start.long()[:, None]) & (positions[None, :] < kv_end.long()[:, None])
+    span = keys.index_select(2, positions.clamp(max=N - 1))  # [B, H, page_size, D]; beyond N never valid
+    valid = valid.view(B, 1, page_size, 1)
+    low = torch.where(valid, span, float("inf")).amin(2, keepdim=True)
+    high = torch.where(valid, span, float("-inf")).amax(2, keepdim=True)
+    page_min.index_copy_(2, page, torch.where(torch.isinf(low), 0, low).to(page_min.dtype))
+    page_max.index_copy_(2, page, torch.where(torch.isinf(high), 0, high).to(page_max.dtype))

@@ -14,10 +14,14 @@ import torch
 
 from _testing import nan_poisoned_allocations, rel_rms
 from retrofit.kernels.sparse_decode import (
+    block_topk,
+    block_topk_ref,
     cluster_scores,
     cluster_scores_ref,
     quest_page_scores,
     quest_page_scores_ref,
+    quest_page_update,
+    quest_page_update_ref,
     sparse_decode_attention,
     sparse_decode_attention_ref,
     topk_indices,
@@ -158,6 +162,104 @@ def test_topk_indices_match_reference_exactly(case):
     # the chosen scores are the k largest: same multiset of values as torch.topk
     chosen = scores.gather(1, indices.long()).sort(-1).values
     assert torch.equal(chosen, torch.topk(scores, k, dim=-1).values.sort(-1).values)
+
+
+# (Hkv, P, k, block_size, kv_end): kv_end 1, 63, 75 written positions (T awkward); Hkv=3 is SmolLM2's
+BLOCK_TOPK_CASES = {
+    "T1-P5-k2-page16": (3, 5, 2, 16, 1),
+    "T63-P16-k4-page4": (3, 16, 4, 4, 63),
+    "T75-P75-k75-tokens": (3, 75, 75, 1, 75),
+    "T75-P19-k5-page4": (1, 19, 5, 4, 75),
+}
+
+
+def _block_topk_inputs(Hkv, P, block_size, written, device="cpu"):
+    """Scores with ties and -inf, row 0 unpadded, row 1 left-padded past its first blocks (kv_start 37 clipped to
+    the written length), kv_end one shared counter expanded to the rows (stride 0), as a static cache keeps it."""
+    scores = _topk_scores(P, device)[:2].repeat_interleave(Hkv, 0).view(2, Hkv, P)
+    scores[1, -1] = torch.arange(P, 0, -1, device=device, dtype=torch.float32)  # the best blocks first
+    kv_start = torch.tensor([0, min(37, written - 1)], device=device, dtype=torch.int32)
+    kv_end = torch.full((1,), written, device=device, dtype=torch.int64).expand(2)
+    return scores, kv_start, kv_end
+
+
+@pytest.mark.parametrize("case", list(BLOCK_TOPK_CASES), ids=list(BLOCK_TOPK_CASES))
+def test_block_topk_matches_reference_exactly(case):
+    """Exact integer output: the same blocks as the reference's overrides + top-k; the newest block always chosen, a
+    block of padding or unwritten positions only never chosen while other blocks remain; the scores untouched."""
+    Hkv, P, k, block_size, written = BLOCK_TOPK_CASES[case]
+    scores, kv_start, kv_end = _block_topk_inputs(Hkv, P, block_size, written)
+    before = scores.clone()
+    with nan_poisoned_allocations():
+        indices = block_topk(scores, k, kv_start, kv_end, block_size)
+    expected = block_topk_ref(scores, k, kv_start, kv_end, block_size)
+    assert torch.equal(indices, expected)
+    assert torch.equal(scores, before)
+    newest = (written - 1) // block_size
+    assert (indices == newest).any(-1).all()
+    for b in range(2):
+        first = torch.arange(P) * block_size
+        usable = ((first + block_size > kv_start[b]) & (first < written)).sum().item()
+        chosen_first = indices[b].long() * block_size
+        empty_chosen = (chosen_first + block_size <= kv_start[b]) | (chosen_first >= written)
+        assert empty_chosen.sum(-1).max().item() == max(0, k - usable)
+
+
+QUEST_PAGE_CASES = {"T1": 1, "T63": 63, "T75": 75, "T40-padding-only": 40}
+
+
+def _quest_page_inputs(written, dtype=torch.float32, device="cpu"):
+    """keys [2, 3, 75, 48] (N = 75: the last page of 16 runs past the buffer), metadata of 5 pages filled with
+    random values (pages the update must not touch), row 1 left-padded up to 37 (43 in the padding-only case: its
+    page 2, positions 32-47, then holds no valid key of row 1 at written = 40)."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    keys = torch.randn(2, 3, 75, 48, generator=gen, device=device).to(dtype)
+    page_min = torch.randn(2, 3, 5, 48, generator=gen, device=device).to(dtype)
+    page_max = torch.randn(2, 3, 5, 48, generator=gen, device=device).to(dtype)
+    start = 43 if written == 40 else min(37, written - 1)
+    kv_start = torch.tensor([0, start], device=device, dtype=torch.int32)
+    kv_end = torch.tensor([written, written], device=device, dtype=torch.int32)
+    write_pos = torch.tensor([written], device=device, dtype=torch.long)
+    return keys, page_min, page_max, write_pos, kv_start, kv_end
+
+
+@pytest.mark.parametrize("written", list(QUEST_PAGE_CASES.values()), ids=list(QUEST_PAGE_CASES))
+def test_quest_page_update_matches_reference_exactly(written):
+    """Min and max are exact in any precision, so the kernel's metadata must equal the reference's bit for bit:
+    the updated page's bounds, zeros where a row has no valid key in it, every other page untouched."""
+    keys, page_min, page_max, write_pos, kv_start, kv_end = _quest_page_inputs(written)
+    expected_min, expected_max = page_min.clone(), page_max.clone()
+    quest_page_update_ref(keys, expected_min, expected_max, write_pos, kv_start, kv_end, 16)
+    untouched_min = page_min.clone()
+    quest_page_update(keys, page_min, page_max, write_pos, kv_start, kv_end, 16)
+    assert torch.equal(page_min, expected_min) and torch.equal(page_max, expected_max)
+    page = (written - 1) // 16
+    others = [p for p in range(5) if p != page]
+    assert torch.equal(page_min[:, :, others], untouched_min[:, :, others])
+    first = page * 16
+    row0 = keys[0, :, first:written]
+    assert torch.equal(page_min[0, :, page], row0.amin(1)) and torch.equal(page_max[0, :, page], row0.amax(1))
+    if written == 40:
+        assert (page_min[1, :, page] == 0).all() and (page_max[1, :, page] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("written", list(QUEST_PAGE_CASES.values()), ids=list(QUEST_PAGE_CASES))
+def test_quest_page_update_bf16_gpu(written):
+    keys, page_min, page_max, write_pos, kv_start, kv_end = _quest_page_inputs(written, torch.bfloat16, "cuda")
+    expected_min, expected_max = page_min.clone(), page_max.clone()
+    quest_page_update_ref(keys, expected_min, expected_max, write_pos, kv_start, kv_end, 16)
+    quest_page_update(keys, page_min, page_max, write_pos, kv_start, kv_end, 16)
+    assert torch.equal(page_min, expected_min) and torch.equal(page_max, expected_max)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(BLOCK_TOPK_CASES), ids=list(BLOCK_TOPK_CASES))
+def test_block_topk_gpu(case):
+    Hkv, P, k, block_size, written = BLOCK_TOPK_CASES[case]
+    scores, kv_start, kv_end = _block_topk_inputs(Hkv, P, block_size, written, "cuda")
+    assert torch.equal(block_topk(scores, k, kv_start, kv_end, block_size),
+                       block_topk_ref(scores, k, kv_start, kv_end, block_size))
 
 
 @pytest.mark.gpu

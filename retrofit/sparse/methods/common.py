@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.kernels.sparse_decode import topk_indices
+from retrofit.kernels.sparse_decode import block_topk
 from retrofit.sparse.contract import Selection
 
 
@@ -86,24 +86,10 @@ def full_counts(layer, top: torch.Tensor) -> torch.Tensor:
                      lambda: torch.full(top.shape[:2], top.shape[2], dtype=torch.int32, device=top.device))
 
 
-def block_scores_mask(layer, scores: torch.Tensor, block_size: int) -> torch.Tensor:
-    """scores [B, Hkv, P] of the P blocks of the buffer -> the same with blocks that hold no valid position of a row
-    (left padding only, or not yet written) at -inf and the block being written (it holds the decoded token) at
-    +inf, in place. That block is always read, as in the authors' Quest and SeerAttention kernels (top-k over the
-    other blocks, the last one appended)."""
-    P = scores.shape[-1]
-    first = _constant(layer, f"block_first_{block_size}_{P}",
-                      lambda: torch.arange(P, device=scores.device) * block_size)
-    kv_start, kv_end = layer.kv_start.long()[:, None], layer.kv_end.long()[:, None]
-    empty = (first[None, :] + block_size <= kv_start) | (first[None, :] >= kv_end)  # [B, P]
-    scores.masked_fill_(empty[:, None, :], float("-inf"))
-    newest = ((kv_end - 1) // block_size)[:, None, :].expand(-1, scores.shape[1], 1)  # [B, Hkv, 1]
-    return scores.scatter_(2, newest, float("inf"))
-
-
 def best_blocks(layer, scores: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
-    """scores [B, Hkv, P] -> the k best block ids per row [B, Hkv, k] int32 (ascending), after
-    :func:`block_scores_mask` (``scores`` is overwritten)."""
-    B, H, P = scores.shape
-    block_scores_mask(layer, scores, block_size)
-    return topk_indices(scores.reshape(B * H, P), k).view(B, H, k)
+    """scores [B, Hkv, P] of the P blocks of the buffer -> the k best block ids per row [B, Hkv, k] int32
+    (ascending). Blocks that hold no valid position of a row (left padding only, or not yet written) are never
+    chosen ahead of the others, and the block being written (it holds the decoded token) is always chosen, as in the
+    authors' Quest and SeerAttention kernels (top-k over the other blocks, the last one appended): one
+    :func:`~retrofit.kernels.sparse_decode.block_topk`."""
+    return block_topk(scores, k, layer.kv_start, layer.kv_end, block_size)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retrofit.kernels.sparse_decode import quest_page_scores
+from retrofit.kernels.sparse_decode import quest_page_scores, quest_page_update
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, full_counts, grown
@@ -104,17 +104,9 @@ class Quest(SparseMethod):
         """The page of the token just written at ``write_pos - 1``: its min/max again, on the device."""
         if layer.layer_idx in self.dense_layers:
             return
-        ps = self.page_size
-        B, H, _, D = layer.keys.shape
         page_min, page_max = self._page_buffers(layer)
-        page = (layer.write_pos - 1) // ps  # [1]
-        offsets = _page_offsets(layer, ps)
-        pos = page * ps + offsets  # [ps]
-        span = layer.keys.index_select(2, pos).view(B, H, 1, ps, D)
-        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < layer.kv_end.long()[:, None])
-        low, high = _bounds(span, valid.view(B, 1, 1, ps, 1))
-        page_min.index_copy_(2, page, low)
-        page_max.index_copy_(2, page, high)
+        quest_page_update(layer.keys, page_min, page_max, layer.write_pos, layer.kv_start, layer.kv_end,
+                          self.page_size)
 
     def select(self, layer, query: torch.Tensor) -> Selection | None:
         if layer.layer_idx in self.dense_layers:
@@ -124,14 +116,6 @@ class Quest(SparseMethod):
         scores = quest_page_scores(query, meta["page_min"], meta["page_max"], pages, layer.kv_start, self.page_size)
         top = best_blocks(layer, scores, min(self.budget // self.page_size, pages), self.page_size)
         return Selection(top, full_counts(layer, top), self.page_size)
-
-
-def _page_offsets(layer, page_size: int) -> torch.Tensor:
-    key = "_page_offsets"
-    cached = layer.meta.get(key)
-    if cached is None or cached.shape[0] != page_size:
-        layer.meta[key] = cached = torch.arange(page_size, device=layer.keys.device)
-    return cached
 
 
 def _bounds(pages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
