@@ -1,14 +1,16 @@
 """Sparse-decode attention (one decode token over selected cache blocks), the per-step block scoring and top-k, and
-Quest's per-step page metadata.
+the per-step metadata of Quest's pages and SeerAttention's pooled blocks.
 
 Triton kernels and their pure-PyTorch references; the public functions run either, as ``retrofit.kernels.backend``
 picks (Triton on CUDA, the reference elsewhere).
 """
 from .attention import sparse_decode_attention
-from .quest_pages import quest_page_update
+from .newest_block import pool_newest_block, quest_page_update
 from .reference import (
     block_topk_ref,
     cluster_scores_ref,
+    pool_blocks,
+    pool_newest_block_ref,
     quest_page_scores_ref,
     quest_page_update_ref,
     selected_positions,
@@ -31,5 +33,8 @@ __all__ = [
     "block_topk_ref",
     "quest_page_update",
     "quest_page_update_ref",
+    "pool_blocks",
+    "pool_newest_block",
+    "pool_newest_block_ref",
     "selected_positions",
 ]

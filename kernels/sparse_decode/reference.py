@@ -150,3 +150,33 @@ def quest_page_update_ref(keys: torch.Tensor, page_min: torch.Tensor, page_max: 
     high = torch.where(valid, span, float("-inf")).amax(2, keepdim=True)
     page_min.index_copy_(2, page, torch.where(torch.isinf(low), 0, low).to(page_min.dtype))
     page_max.index_copy_(2, page, torch.where(torch.isinf(high), 0, high).to(page_max.dtype))
+
+
+def pool_blocks(keys: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """SeerAttention's pooled block keys: keys [B, H, L, D] with L a multiple of block_size, valid [B, L] bool ->
+    [B, H, L/block_size, 3D] fp32 (max, min, mean over the valid keys of each block; zeros for a block without any)."""
+    B, H, L, D = keys.shape
+    blocks = keys.float().view(B, H, L // block_size, block_size, D)
+    ok = valid.view(B, 1, L // block_size, block_size, 1)
+    big = torch.finfo(torch.float32).max
+    kmax = torch.where(ok, blocks, -big).amax(3)
+    kmin = torch.where(ok, blocks, big).amin(3)
+    count = ok.sum(3)
+    kmean = torch.where(ok, blocks, 0.0).sum(3) / count.clamp(min=1)
+    empty = count == 0
+    return torch.cat([kmax.masked_fill(empty, 0), kmin.masked_fill(empty, 0), kmean], -1)
+
+
+def pool_newest_block_ref(keys: torch.Tensor, write_pos: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+    """:func:`pool_blocks` of the one block holding the token just written at ``write_pos - 1``.
+
+    keys [B, Hkv, N, D], write_pos [1] long (the same position for every row), kv_start/kv_end [B] -> [B, Hkv, 1, 3D]
+    fp32 (max, min, mean over the block's valid keys ``kv_start[b] <= pos < kv_end[b]``; zeros where there are none).
+    """
+    N = keys.shape[2]
+    block = (write_pos.long() - 1) // block_size  # [1]
+    positions = block * block_size + torch.arange(block_size, device=keys.device)  # [block_size]
+    valid = (positions[None, :] >= kv_start.long()[:, None]) & (positions[None, :] < kv_end.long()[:, None])
+    span = keys.index_select(2, positions.clamp(max=N - 1))  # beyond N never valid
+    return pool_blocks(span, valid, block_size)

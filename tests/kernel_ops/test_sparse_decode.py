@@ -18,6 +18,8 @@ from retrofit.kernels.sparse_decode import (
     block_topk_ref,
     cluster_scores,
     cluster_scores_ref,
+    pool_newest_block,
+    pool_newest_block_ref,
     quest_page_scores,
     quest_page_scores_ref,
     quest_page_update,
@@ -241,6 +243,42 @@ def test_quest_page_update_matches_reference_exactly(written):
     assert torch.equal(page_min[0, :, page], row0.amin(1)) and torch.equal(page_max[0, :, page], row0.amax(1))
     if written == 40:
         assert (page_min[1, :, page] == 0).all() and (page_max[1, :, page] == 0).all()
+
+
+# (written, block_size): the block of the newest token, its last block running past the buffer (N = 75)
+POOL_CASES = {"T1-block64": (1, 64), "T63-block16": (63, 16), "T75-block64": (75, 64), "T40-padding-only": (40, 16)}
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES), ids=list(POOL_CASES))
+def test_pool_newest_block_matches_reference_fp32(case):
+    """Max and min exact; the mean within FP32_TOL (another summation order); zeros for a row whose block holds no
+    valid key (row 1 of the padding-only case); every output element written (NaN-poisoned allocations)."""
+    written, block_size = POOL_CASES[case]
+    keys, _, _, write_pos, kv_start, kv_end = _quest_page_inputs(written)
+    with nan_poisoned_allocations():
+        pooled = pool_newest_block(keys, write_pos, kv_start, kv_end, block_size)
+    expected = pool_newest_block_ref(keys, write_pos, kv_start, kv_end, block_size)
+    D = keys.shape[-1]
+    assert pooled.shape == expected.shape == (2, 3, 1, 3 * D)
+    assert torch.equal(pooled[..., : 2 * D], expected[..., : 2 * D])
+    assert rel_rms(pooled[..., 2 * D :], expected[..., 2 * D :]) < FP32_TOL
+    first = (written - 1) // block_size * block_size
+    row0 = keys[0, :, first:written]
+    assert torch.allclose(pooled[0, :, 0, 2 * D :], row0.mean(1), atol=1e-6)
+    if case == "T40-padding-only":
+        assert (pooled[1] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(POOL_CASES), ids=list(POOL_CASES))
+def test_pool_newest_block_bf16_gpu(case):
+    written, block_size = POOL_CASES[case]
+    keys, _, _, write_pos, kv_start, kv_end = _quest_page_inputs(written, torch.bfloat16, "cuda")
+    pooled = pool_newest_block(keys, write_pos, kv_start, kv_end, block_size)
+    expected = pool_newest_block_ref(keys, write_pos, kv_start, kv_end, block_size)
+    D = keys.shape[-1]
+    assert torch.equal(pooled[..., : 2 * D], expected[..., : 2 * D])  # bf16 values, exact in fp32
+    assert rel_rms(pooled[..., 2 * D :], expected[..., 2 * D :]) < FP32_TOL  # fp32 sums of the same bf16 values
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from torch import nn
 
 from retrofit.atomic import torch_load, torch_save
 from retrofit.errors import RetrofitError
-from retrofit.kernels.sparse_decode import cluster_scores
+from retrofit.kernels.sparse_decode import cluster_scores, pool_blocks, pool_newest_block
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, full_counts, grown
@@ -50,21 +50,6 @@ class SeerGate(nn.Module):
     def scores(self, q: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, D], pooled [B, Hkv, NB, 3D] -> block logits [B, Hkv, NB]."""
         return torch.einsum("bhc,bhnc->bhn", self.query(q), self.block_keys(pooled))
-
-
-def pool_blocks(keys: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
-    """keys [B, H, L, D] with L a multiple of block_size, valid [B, L] bool -> [B, H, L/block_size, 3D] (max, min,
-    mean over the valid keys of each block; zeros for a block without any)."""
-    B, H, L, D = keys.shape
-    blocks = keys.float().view(B, H, L // block_size, block_size, D)
-    ok = valid.view(B, 1, L // block_size, block_size, 1)
-    big = torch.finfo(torch.float32).max
-    kmax = torch.where(ok, blocks, -big).amax(3)
-    kmin = torch.where(ok, blocks, big).amin(3)
-    count = ok.sum(3)
-    kmean = torch.where(ok, blocks, 0.0).sum(3) / count.clamp(min=1)
-    empty = count == 0
-    return torch.cat([kmax.masked_fill(empty, 0), kmin.masked_fill(empty, 0), kmean], -1)
 
 
 class SeerGates(nn.Module):
@@ -185,14 +170,11 @@ class SeerAttention(SparseMethod):
         gate = self._gate(layer, layer.keys)
         if gate is None:
             return
-        bs = self.block_size
         gate_keys = self._gate_keys(layer, gate)
-        block = (layer.write_pos - 1) // bs  # [1]
-        pos = block * bs + torch.arange(bs, device=layer.keys.device)
-        span = layer.keys.index_select(2, pos)
-        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < layer.kv_end.long()[:, None])
+        block = (layer.write_pos - 1) // self.block_size  # [1]
+        pooled = pool_newest_block(layer.keys, layer.write_pos, layer.kv_start, layer.kv_end, self.block_size)
         with torch.no_grad():
-            gate_keys.index_copy_(2, block, gate.block_keys(pool_blocks(span, valid, bs).to(layer.keys.dtype)))
+            gate_keys.index_copy_(2, block, gate.block_keys(pooled.to(layer.keys.dtype)))
 
     def select(self, layer, query: torch.Tensor) -> Selection | None:
         gate = self._gate(layer, query)
