@@ -3,8 +3,11 @@ kernel, for retrofit's engine with its fused decoder layers (the default) and wi
 context x batch point.
 
     python benchmarks/decode_kernel_time.py --config llama3-8b --context 4096 --batch 1 [--top 25] [--json OUT]
+    python benchmarks/decode_kernel_time.py --context 131072 --variant quest:budget=2048   # a variant's step
 
-Random weights of the config's real shapes, bf16, on CUDA. The step runs eagerly under the profiler (a replayed
+Random weights of the config's real shapes, bf16, on CUDA; ``--variant`` takes any variant spec of ``retrofit
+bench`` (``quest:budget=2048``, ``seer:budget=2048,random_gates=true``, ``convert:gdn:not:every:4``, ...; default
+dense). The step runs eagerly under the profiler (a replayed
 graph runs the same kernels back to back; the profiler cannot see inside it), so "kernel time" is the sum of the
 kernels' own durations: what the step would take with no gap between kernels. Comparing it with the step time of
 ``retrofit bench`` (graph replay) splits the step into kernel work and the gaps between kernels.
@@ -21,6 +24,8 @@ import torch
 from retrofit.bench.configs import build_random_model
 from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
 from retrofit.generation.sampling import TokenChooser
+from retrofit.errors import RetrofitError
+from retrofit.variants import parse_variant_spec
 
 GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|cublas|sm90_xmma|splitKreduce", re.IGNORECASE)
 
@@ -59,31 +64,38 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--variant", default="dense", help="a variant spec as `retrofit bench --variant` takes it")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        variant = parse_variant_spec(args.variant)
+    except RetrofitError as error:  # its message names the option already
+        parser.error(str(error))
     if not torch.cuda.is_available():
         parser.error("needs CUDA: kernel durations come from the GPU's own timeline")
     model = build_random_model(args.config, torch.bfloat16, torch.device("cuda"))
     results = {}
     for fuse_layers in (False, True):
         engine = "retrofit" if fuse_layers else "retrofit-unfused"
-        times = kernel_times(model, args.context, args.batch, fuse_layers, args.steps)
+        with variant.open(model, None) as measured:
+            times = kernel_times(measured, args.context, args.batch, fuse_layers, args.steps)
         results[engine] = times
         gemm = sum(us for name, (us, _) in times.items() if GEMM.search(name))
         total = sum(us for us, _ in times.values())
         launches = sum(count for _, count in times.values())
-        print(f"\n## {engine}: {args.config}, context {args.context}, batch {args.batch}: kernel time {total / 1e3:.3f} "
-              f"ms per token in {launches:,.0f} kernels (GEMM {gemm / 1e3:.3f} ms, the rest {(total - gemm) / 1e3:.3f})")
+        print(f"\n## {engine}, {variant.name}: {args.config}, context {args.context}, batch {args.batch}: "
+              f"kernel time {total / 1e3:.3f} ms per token in {launches:,.0f} kernels (GEMM {gemm / 1e3:.3f} ms, "
+              f"the rest {(total - gemm) / 1e3:.3f})")
         print("| kernel | us / token | kernels / token | us each |\n|---|---:|---:|---:|")
         for name, (us, count) in sorted(times.items(), key=lambda item: -item[1][0])[:args.top]:
             print(f"| `{name[:90]}` | {us:,.1f} | {count:g} | {us / count:.2f} |")
     if args.json:
         from retrofit.atomic import write_json
 
-        write_json(args.json, {"config": args.config, "context": args.context, "batch": args.batch,
-                               "steps": args.steps, "kernels": {engine: {name: {"us_per_token": us, "per_token": n}
-                                                                        for name, (us, n) in times.items()}
-                                                                for engine, times in results.items()}})
+        kernels = {engine: {name: {"us_per_token": us, "per_token": n} for name, (us, n) in times.items()}
+                   for engine, times in results.items()}
+        write_json(args.json, {"config": args.config, "variant": variant.name, "context": args.context,
+                               "batch": args.batch, "steps": args.steps, "kernels": kernels})
 
 
 if __name__ == "__main__":
