@@ -42,6 +42,7 @@ OPS: dict[str, tuple[str, str]] = {
     "block_topk": ("sparse_decode.topk:block_topk_triton", "sparse_decode.reference:block_topk_ref"),
     "quest_page_update": ("sparse_decode.newest_block:quest_page_update_triton",
                           "sparse_decode.reference:quest_page_update_ref"),
+    "mask_positions": ("sparse_decode.compaction:mask_positions_triton", "sparse_decode.reference:mask_positions_ref"),
     "pool_newest_block": ("sparse_decode.newest_block:pool_newest_block_triton",
                           "sparse_decode.reference:pool_newest_block_ref"),
     "rms_norm": ("rms_norm.rms_norm:rms_norm_triton", "rms_norm.reference:rms_norm_ref"),

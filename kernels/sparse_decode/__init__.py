@@ -1,14 +1,17 @@
-"""Sparse-decode attention (one decode token over selected cache blocks), the per-step block scoring and top-k, and
-the per-step metadata of Quest's pages and SeerAttention's pooled blocks.
+"""Sparse-decode attention (one decode token over selected cache blocks) and what a decode step runs to choose those
+blocks: the block scoring and top-k, the compaction of a token mask into positions, and the upkeep of Quest's page
+bounds and SeerAttention's pooled blocks.
 
 Triton kernels and their pure-PyTorch references; the public functions run either, as ``retrofit.kernels.backend``
 picks (Triton on CUDA, the reference elsewhere).
 """
 from .attention import sparse_decode_attention
+from .compaction import mask_positions
 from .newest_block import pool_newest_block, quest_page_update
 from .reference import (
     block_topk_ref,
     cluster_scores_ref,
+    mask_positions_ref,
     pool_blocks,
     pool_newest_block_ref,
     quest_page_scores_ref,
@@ -33,6 +36,8 @@ __all__ = [
     "block_topk_ref",
     "quest_page_update",
     "quest_page_update_ref",
+    "mask_positions",
+    "mask_positions_ref",
     "pool_blocks",
     "pool_newest_block",
     "pool_newest_block_ref",

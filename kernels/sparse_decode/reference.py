@@ -180,3 +180,13 @@ def pool_newest_block_ref(keys: torch.Tensor, write_pos: torch.Tensor, kv_start:
     valid = (positions[None, :] >= kv_start.long()[:, None]) & (positions[None, :] < kv_end.long()[:, None])
     span = keys.index_select(2, positions.clamp(max=N - 1))  # beyond N never valid
     return pool_blocks(span, valid, block_size)
+
+
+def mask_positions_ref(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token mask as a fixed-width list of positions: mask [R, N] bool -> (positions [R, width'] int32, counts [R]
+    int32), width' = min(width, N) (at least 1). Each row lists its masked positions in ascending order, then its
+    other positions in ascending order, cut at width'; counts = masked positions, at most width'."""
+    width = max(1, min(width, mask.shape[-1]))
+    counts = mask.sum(-1, dtype=torch.int32).clamp_(max=width)
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]
+    return order.to(torch.int32), counts

@@ -18,6 +18,8 @@ from retrofit.kernels.sparse_decode import (
     block_topk_ref,
     cluster_scores,
     cluster_scores_ref,
+    mask_positions,
+    mask_positions_ref,
     pool_newest_block,
     pool_newest_block_ref,
     quest_page_scores,
@@ -245,6 +247,31 @@ def test_quest_page_update_matches_reference_exactly(written):
         assert (page_min[1, :, page] == 0).all() and (page_max[1, :, page] == 0).all()
 
 
+# (N, width): N = 1, 63, 75 awkward; 2500 spans three scan blocks of 1024; width below, between and above the counts
+MASK_CASES = {"N1-w1": (1, 1), "N63-w16": (63, 16), "N75-w40": (75, 40), "N75-w200": (75, 200),
+              "N2500-w300": (2500, 300), "N2500-w2048": (2500, 2048)}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES), ids=list(MASK_CASES))
+def test_mask_positions_match_reference_exactly(case):
+    """Exact integer output: the masked positions ascending, then the others, cut at the width; counts clipped to
+    it. Rows: sparse random, dense random, none, all, and one read through an expanded (stride-0) view."""
+    N, width = MASK_CASES[case]
+    gen = torch.Generator().manual_seed(6)
+    mask = torch.stack([torch.rand(N, generator=gen) < 0.05, torch.rand(N, generator=gen) < 0.6,
+                        torch.zeros(N, dtype=torch.bool), torch.ones(N, dtype=torch.bool)])
+    for rows in (mask, mask[1:2].expand(3, N)):
+        with nan_poisoned_allocations():
+            positions, counts = mask_positions(rows, width)
+        expected_positions, expected_counts = mask_positions_ref(rows, width)
+        assert torch.equal(positions, expected_positions) and torch.equal(counts, expected_counts)
+    kept = min(width, N)
+    assert positions.shape == (3, kept)
+    assert counts.tolist() == [min(int(mask[1].sum()), kept)] * 3
+    listed = positions[0, : counts[0]].long()
+    assert mask[1, listed].all() and (listed.diff() > 0).all()
+
+
 # (written, block_size): the block of the newest token, its last block running past the buffer (N = 75)
 POOL_CASES = {"T1-block64": (1, 64), "T63-block16": (63, 16), "T75-block64": (75, 64), "T40-padding-only": (40, 16)}
 
@@ -289,6 +316,17 @@ def test_quest_page_update_bf16_gpu(written):
     quest_page_update_ref(keys, expected_min, expected_max, write_pos, kv_start, kv_end, 16)
     quest_page_update(keys, page_min, page_max, write_pos, kv_start, kv_end, 16)
     assert torch.equal(page_min, expected_min) and torch.equal(page_max, expected_max)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [75, 2500, 131072], ids=["N75", "N2500", "N131072"])
+def test_mask_positions_gpu(N):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    mask = torch.rand(8, N, device="cuda", generator=gen) < 0.03
+    for width in (16, 2048):
+        positions, counts = mask_positions(mask, width)
+        expected_positions, expected_counts = mask_positions_ref(mask, width)
+        assert torch.equal(positions, expected_positions) and torch.equal(counts, expected_counts)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.kernels.sparse_decode import block_topk
+from retrofit.kernels.sparse_decode import block_topk, mask_positions
 from retrofit.sparse.contract import Selection
 
 
@@ -61,11 +61,11 @@ def sink_mask(layer, n_sink: int) -> torch.Tensor:
 
 def mask_to_selection(mask: torch.Tensor, width: int) -> Selection:
     """Token mask [B, Hkv, N] bool -> a Selection of single tokens of fixed ``width`` (ascending positions first;
-    counts [B, Hkv] = tokens in the mask, at most ``width``: the caller's budget bounds them)."""
-    width = max(1, min(width, mask.shape[-1]))
-    counts = mask.sum(-1, dtype=torch.int32).clamp_(max=width)
-    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]
-    return Selection(order.to(torch.int32), counts, 1)
+    counts [B, Hkv] = tokens in the mask, at most ``width``: the caller's budget bounds them): one
+    :func:`~retrofit.kernels.sparse_decode.mask_positions`."""
+    B, H, N = mask.shape
+    indices, counts = mask_positions(mask.reshape(B * H, N), width)
+    return Selection(indices.view(B, H, -1), counts.view(B, H), 1)
 
 
 def all_blocks(layer, block_size: int = 16) -> Selection:
