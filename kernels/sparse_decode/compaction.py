@@ -44,6 +44,7 @@ def mask_positions_triton(mask: torch.Tensor, width: int) -> tuple[torch.Tensor,
     width = max(1, min(width, N))
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
+    mask = mask.view(torch.uint8)  # the same bytes; a byte pointer rather than a 1-bit one for the kernel
     positions = torch.empty(R, width, device=mask.device, dtype=torch.int32)
     counts = torch.empty(R, device=mask.device, dtype=torch.int32)
     _mask_positions_kernel[(R,)](mask, positions, counts, mask.stride(0), positions.stride(0), N, width,
