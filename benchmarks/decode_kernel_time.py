@@ -75,11 +75,11 @@ def main() -> None:
         parser.error("needs CUDA: kernel durations come from the GPU's own timeline")
     model = build_random_model(args.config, torch.bfloat16, torch.device("cuda"))
     results = {}
-    for fuse_layers in (False, True):
-        engine = "retrofit" if fuse_layers else "retrofit-unfused"
-        with variant.open(model, None) as measured:
-            times = kernel_times(measured, args.context, args.batch, fuse_layers, args.steps)
-        results[engine] = times
+    with variant.open(model, None) as measured:
+        for fuse_layers in (False, True):
+            results["retrofit" if fuse_layers else "retrofit-unfused"] = kernel_times(
+                measured, args.context, args.batch, fuse_layers, args.steps)
+    for engine, times in results.items():
         gemm = sum(us for name, (us, _) in times.items() if GEMM.search(name))
         total = sum(us for us, _ in times.values())
         launches = sum(count for _, count in times.values())

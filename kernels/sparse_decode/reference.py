@@ -130,26 +130,43 @@ def block_topk_ref(scores: torch.Tensor, k: int, kv_start: torch.Tensor, kv_end:
     return topk_indices_ref(masked.reshape(B * H, P), k).view(B, H, k)
 
 
+def page_bounds(keys: torch.Tensor, valid: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's page metadata: keys [B, H, L, D] with L a multiple of page_size, valid [B, L] bool -> (min, max)
+    [B, H, L/page_size, D] in the keys' dtype, element-wise over the valid keys of each page (0 for a page without
+    any)."""
+    B, H, L, D = keys.shape
+    pages = keys.view(B, H, L // page_size, page_size, D)
+    ok = valid.view(B, 1, L // page_size, page_size, 1)
+    low = torch.where(ok, pages, float("inf")).amin(3)
+    high = torch.where(ok, pages, float("-inf")).amax(3)
+    return torch.where(torch.isinf(low), 0, low), torch.where(torch.isinf(high), 0, high)
+
+
+def _newest_block(keys: torch.Tensor, write_pos: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block of ``block_size`` positions holding ``write_pos - 1``: (its index [1], its keys [B, H, block_size, D],
+    valid [B, block_size]: the positions with ``kv_start[b] <= pos < kv_end[b]``)."""
+    N = keys.shape[2]
+    block = (write_pos.long() - 1) // block_size  # [1]
+    positions = block * block_size + torch.arange(block_size, device=keys.device)  # [block_size]
+    valid = (positions[None, :] >= kv_start.long()[:, None]) & (positions[None, :] < kv_end.long()[:, None])
+    return block, keys.index_select(2, positions.clamp(max=N - 1)), valid  # beyond N never valid
+
+
 def quest_page_update_ref(keys: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
                           write_pos: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
                           page_size: int) -> None:
-    """Quest's metadata of the page holding the token just written at ``write_pos - 1``, recomputed in place.
+    """:func:`page_bounds` of the page holding the token just written at ``write_pos - 1``, written in place.
 
     keys [B, Hkv, N, D], page_min/page_max [B, Hkv, P, D] (P pages of ``page_size`` cover N), write_pos [1] long (the
     same position for every row: a static cache's decode step), kv_start/kv_end [B] -> page_min/page_max of that page
     set to the element-wise min and max over its keys at valid positions ``kv_start[b] <= pos < kv_end[b]`` (0 where
     a row has none there).
     """
-    B, H, N, D = keys.shape
-    page = (write_pos.long() - 1) // page_size  # [1]
-    positions = page * page_size + torch.arange(page_size, device=keys.device)  # [page_size]
-    valid = (positions[None, :] >= kv_start.long()[:, None]) & (positions[None, :] < kv_end.long()[:, None])
-    span = keys.index_select(2, positions.clamp(max=N - 1))  # [B, H, page_size, D]; beyond N never valid
-    valid = valid.view(B, 1, page_size, 1)
-    low = torch.where(valid, span, float("inf")).amin(2, keepdim=True)
-    high = torch.where(valid, span, float("-inf")).amax(2, keepdim=True)
-    page_min.index_copy_(2, page, torch.where(torch.isinf(low), 0, low).to(page_min.dtype))
-    page_max.index_copy_(2, page, torch.where(torch.isinf(high), 0, high).to(page_max.dtype))
+    page, span, valid = _newest_block(keys, write_pos, kv_start, kv_end, page_size)
+    low, high = page_bounds(span, valid, page_size)
+    page_min.index_copy_(2, page, low.to(page_min.dtype))
+    page_max.index_copy_(2, page, high.to(page_max.dtype))
 
 
 def pool_blocks(keys: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -174,11 +191,7 @@ def pool_newest_block_ref(keys: torch.Tensor, write_pos: torch.Tensor, kv_start:
     keys [B, Hkv, N, D], write_pos [1] long (the same position for every row), kv_start/kv_end [B] -> [B, Hkv, 1, 3D]
     fp32 (max, min, mean over the block's valid keys ``kv_start[b] <= pos < kv_end[b]``; zeros where there are none).
     """
-    N = keys.shape[2]
-    block = (write_pos.long() - 1) // block_size  # [1]
-    positions = block * block_size + torch.arange(block_size, device=keys.device)  # [block_size]
-    valid = (positions[None, :] >= kv_start.long()[:, None]) & (positions[None, :] < kv_end.long()[:, None])
-    span = keys.index_select(2, positions.clamp(max=N - 1))  # beyond N never valid
+    _, span, valid = _newest_block(keys, write_pos, kv_start, kv_end, block_size)
     return pool_blocks(span, valid, block_size)
 
 

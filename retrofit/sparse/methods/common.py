@@ -59,6 +59,18 @@ def sink_mask(layer, n_sink: int) -> torch.Tensor:
     return (pos >= start) & (pos < start + n_sink) & (pos < layer.kv_end.long()[:, None])
 
 
+def blocks_written(layer, start: int, end: int, block_size: int) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """The whole blocks of ``block_size`` positions that positions [start, end) of the buffer touch, for a method's
+    metadata after a prefill chunk: (their block range, keys [B, Hkv, L, D] zero-padded to whole blocks, valid [B, L]:
+    the positions with ``kv_start[b] <= pos < end``)."""
+    first, last = start // block_size, -(-end // block_size)
+    span = layer.keys[:, :, first * block_size : end]
+    span = torch.nn.functional.pad(span, (0, 0, 0, (last - first) * block_size - span.shape[2]))
+    pos = torch.arange(first * block_size, last * block_size, device=span.device)
+    valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)
+    return slice(first, last), span, valid
+
+
 def mask_to_selection(mask: torch.Tensor, width: int) -> Selection:
     """Token mask [B, Hkv, N] bool -> a Selection of single tokens of fixed ``width`` (ascending positions first;
     counts [B, Hkv] = tokens in the mask, at most ``width``: the caller's budget bounds them): one

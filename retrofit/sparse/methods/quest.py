@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from retrofit.kernels.sparse_decode import quest_page_scores, quest_page_update
+from retrofit.kernels.sparse_decode import page_bounds, quest_page_scores, quest_page_update
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
-from retrofit.sparse.methods.common import best_blocks, full_counts, grown
+from retrofit.sparse.methods.common import best_blocks, blocks_written, full_counts, grown
 
 
 def default_page_size(head_dim: int) -> int:
@@ -87,18 +87,9 @@ class Quest(SparseMethod):
     def prepare(self, layer, start: int, end: int) -> None:
         if end <= start or layer.layer_idx in self.dense_layers:
             return
-        ps = self.page_size
-        first, last = start // ps, -(-end // ps)
-        B, H, _, D = layer.keys.shape
         page_min, page_max = self._page_buffers(layer)
-        span = layer.keys[:, :, first * ps : end]
-        pad = (last - first) * ps - span.shape[2]
-        pos = torch.arange(first * ps, last * ps, device=span.device)
-        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)  # [B, L]
-        span = torch.nn.functional.pad(span, (0, 0, 0, pad)).view(B, H, last - first, ps, D)
-        low, high = _bounds(span, valid.view(B, 1, last - first, ps, 1))
-        page_min[:, :, first:last] = low
-        page_max[:, :, first:last] = high
+        pages, span, valid = blocks_written(layer, start, end, self.page_size)
+        page_min[:, :, pages], page_max[:, :, pages] = page_bounds(span, valid, self.page_size)
 
     def prepare_step(self, layer) -> None:
         """The page of the token just written at ``write_pos - 1``: its min/max again, on the device."""
@@ -117,10 +108,3 @@ class Quest(SparseMethod):
         top = best_blocks(layer, scores, min(self.budget // self.page_size, pages), self.page_size)
         return Selection(top, full_counts(layer, top), self.page_size)
 
-
-def _bounds(pages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pages [B, H, P, ps, D], valid [B, 1, P, ps, 1] -> element-wise min and max over each page's valid keys
-    [B, H, P, D] (0 for a page without any)."""
-    low = torch.where(valid, pages, float("inf")).amin(3)
-    high = torch.where(valid, pages, float("-inf")).amax(3)
-    return torch.where(torch.isinf(low), 0, low), torch.where(torch.isinf(high), 0, high)

@@ -23,7 +23,7 @@ from retrofit.errors import RetrofitError
 from retrofit.kernels.sparse_decode import cluster_scores, pool_blocks, pool_newest_block
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
-from retrofit.sparse.methods.common import best_blocks, full_counts, grown
+from retrofit.sparse.methods.common import best_blocks, blocks_written, full_counts, grown
 
 GATE_FORMAT = "retrofit-seer-gates"
 RANDOM_GATE_BLOCK = 64
@@ -155,15 +155,10 @@ class SeerAttention(SparseMethod):
         gate = self._gate(layer, layer.keys)
         if gate is None or end <= start:
             return
-        bs = self.block_size
-        first, last = start // bs, -(-end // bs)
         gate_keys = self._gate_keys(layer, gate)
-        span = layer.keys[:, :, first * bs : end]
-        span = torch.nn.functional.pad(span, (0, 0, 0, (last - first) * bs - span.shape[2]))
-        pos = torch.arange(first * bs, last * bs, device=span.device)
-        valid = (pos[None, :] >= layer.kv_start.long()[:, None]) & (pos[None, :] < end)
+        blocks, span, valid = blocks_written(layer, start, end, self.block_size)
         with torch.no_grad():
-            gate_keys[:, :, first:last] = gate.block_keys(pool_blocks(span, valid, bs).to(layer.keys.dtype))
+            gate_keys[:, :, blocks] = gate.block_keys(pool_blocks(span, valid, self.block_size).to(layer.keys.dtype))
 
     def prepare_step(self, layer) -> None:
         """The gate key of the block of the token just written at ``write_pos - 1``, again, on the device."""
