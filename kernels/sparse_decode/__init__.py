@@ -1,16 +1,19 @@
 """Sparse-decode attention (one decode token over selected cache blocks) and what a decode step runs to choose those
-blocks: the block scoring and top-k, the compaction of a token mask into positions, and the upkeep of Quest's page
-bounds and SeerAttention's pooled blocks.
+blocks: the block scoring and top-k, ClusterKV's token mask and its compaction into positions, and the upkeep of
+Quest's page bounds and SeerAttention's pooled blocks.
 
 Triton kernels and their pure-PyTorch references; the public functions run either, as ``retrofit.kernels.backend``
 picks (Triton on CUDA, the reference elsewhere).
 """
 from .attention import sparse_decode_attention
+from .cluster_mask import cluster_token_mask
 from .compaction import mask_positions
 from .newest_block import pool_newest_block, quest_page_update
 from .reference import (
     block_topk_ref,
     cluster_scores_ref,
+    cluster_token_mask_ref,
+    fixed_positions,
     mask_positions_ref,
     page_bounds,
     pool_blocks,
@@ -37,6 +40,9 @@ __all__ = [
     "block_topk_ref",
     "quest_page_update",
     "quest_page_update_ref",
+    "cluster_token_mask",
+    "cluster_token_mask_ref",
+    "fixed_positions",
     "mask_positions",
     "mask_positions_ref",
     "page_bounds",

@@ -195,6 +195,25 @@ def pool_newest_block_ref(keys: torch.Tensor, write_pos: torch.Tensor, kv_start:
     return pool_blocks(span, valid, block_size)
 
 
+def fixed_positions(kv_start: torch.Tensor, kv_end: torch.Tensor, recent_from: torch.Tensor, n_sink: int,
+                    N: int) -> torch.Tensor:
+    """The positions a ClusterKV step reads whatever the clusters: kv_start/kv_end [B], recent_from [B, 1] -> [B, N]
+    bool, the valid positions (``kv_start <= pos < kv_end``) among the first ``n_sink`` of the row or at or after
+    ``recent_from``."""
+    pos = torch.arange(N, device=kv_start.device)
+    start, end = kv_start.long()[:, None], kv_end.long()[:, None]
+    return (pos >= start) & (pos < end) & ((pos < start + n_sink) | (pos >= recent_from))
+
+
+def cluster_token_mask_ref(assign: torch.Tensor, taken: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                           recent_from: torch.Tensor, n_sink: int) -> torch.Tensor:
+    """ClusterKV's token mask of a decode step: assign [B, Hkv, N] int32 (cluster of each position, -1: not
+    clustered), taken [B, Hkv, C] bool -> [B, Hkv, N] bool, the positions of taken clusters or of
+    :func:`fixed_positions`."""
+    chosen = taken.gather(-1, assign.long().clamp(min=0)) & (assign >= 0)
+    return chosen | fixed_positions(kv_start, kv_end, recent_from, n_sink, assign.shape[-1])[:, None, :]
+
+
 def mask_positions_ref(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A token mask as a fixed-width list of positions: mask [R, N] bool -> (positions [R, width'] int32, counts [R]
     int32), width' = min(width, N) (at least 1). Each row lists its masked positions in ascending order, then its

@@ -18,6 +18,8 @@ from retrofit.kernels.sparse_decode import (
     block_topk_ref,
     cluster_scores,
     cluster_scores_ref,
+    cluster_token_mask,
+    cluster_token_mask_ref,
     mask_positions,
     mask_positions_ref,
     pool_newest_block,
@@ -272,6 +274,43 @@ def test_mask_positions_match_reference_exactly(case):
     assert mask[1, listed].all() and (listed.diff() > 0).all()
 
 
+# (N, clusters, n_sink): N = 1, 63, 75 awkward; 2500 spans three blocks of 1024; n_sink 0 (no sinks) and 4
+CLUSTER_MASK_CASES = {"N1": (1, 3, 0), "N63": (63, 5, 4), "N75": (75, 7, 4), "N2500": (2500, 40, 4)}
+
+
+def _cluster_mask_inputs(N, clusters, n_sink, device="cpu"):
+    """Two rows of 3 kv heads: the first without padding, the second left-padded; cluster ids -1 (not clustered) to
+    clusters-1 with the tail unclustered; about half of the clusters taken; recent_from below kv_start in row 0 and
+    inside the row in row 1 (kv_start/kv_end as the int32 [B] the cache keeps)."""
+    gen = torch.Generator().manual_seed(N + clusters)
+    B, H = 2, 3
+    assign = torch.randint(-1, clusters, (B, H, N), generator=gen, dtype=torch.int32)
+    assign[..., N - N // 4 :] = -1
+    taken = torch.rand(B, H, clusters, generator=gen) < 0.5
+    kv_start = torch.tensor([0, N // 5], dtype=torch.int32)
+    kv_end = torch.tensor([N, max(N // 5 + 1, N - 3)], dtype=torch.int32)
+    recent_from = torch.tensor([[-5], [N - N // 3]], dtype=torch.long)
+    return [t.to(device) for t in (assign, taken, kv_start, kv_end, recent_from)] + [n_sink]
+
+
+@pytest.mark.parametrize("case", list(CLUSTER_MASK_CASES), ids=list(CLUSTER_MASK_CASES))
+def test_cluster_token_mask_matches_reference_exactly(case):
+    """Exact boolean output: a position is in the mask iff its cluster is taken or it is a sink or recent valid
+    position; checked element by element against the reference and against the definition at chosen positions."""
+    N, clusters, n_sink = CLUSTER_MASK_CASES[case]
+    assign, taken, kv_start, kv_end, recent_from, n_sink = _cluster_mask_inputs(N, clusters, n_sink)
+    mask = cluster_token_mask(assign, taken, kv_start, kv_end, recent_from, n_sink)
+    expected = cluster_token_mask_ref(assign, taken, kv_start, kv_end, recent_from, n_sink)
+    assert mask.dtype == torch.bool and mask.shape == (2, 3, N)
+    assert torch.equal(mask, expected)
+    b, h = 1, 2
+    for p in {0, N // 5, N // 2, N - 1}:
+        cluster = int(assign[b, h, p])
+        in_row = int(kv_start[b]) <= p < int(kv_end[b])
+        fixed = in_row and (p < int(kv_start[b]) + n_sink or p >= int(recent_from[b, 0]))
+        assert bool(mask[b, h, p]) == ((cluster >= 0 and bool(taken[b, h, cluster])) or fixed)
+
+
 # (written, block_size): the block of the newest token, its last block running past the buffer (N = 75)
 POOL_CASES = {"T1-block64": (1, 64), "T63-block16": (63, 16), "T75-block64": (75, 64), "T40-padding-only": (40, 16)}
 
@@ -327,6 +366,13 @@ def test_mask_positions_gpu(N):
         positions, counts = mask_positions(mask, width)
         expected_positions, expected_counts = mask_positions_ref(mask, width)
         assert torch.equal(positions, expected_positions) and torch.equal(counts, expected_counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CLUSTER_MASK_CASES), ids=list(CLUSTER_MASK_CASES))
+def test_cluster_token_mask_gpu(case):
+    inputs = _cluster_mask_inputs(*CLUSTER_MASK_CASES[case], device="cuda")
+    assert torch.equal(cluster_token_mask(*inputs), cluster_token_mask_ref(*inputs))
 
 
 @pytest.mark.gpu
