@@ -1,7 +1,8 @@
 """The engine's fused decode layers (retrofit.generation.fused_layers): installed by default (not with
 ``fuse_layers=False``), only on the Triton backend and only while the engine runs; a decode step through them gives
-the tokens and the cache of the model's own layers, for a dense model (rotation and cache write fused), inside a
-sparse session and in a converted hybrid (their attention runs as before; norms and MLP fused); q, k and v move once
+the tokens and the cache of the model's own layers, for a dense model and inside a sparse session (rotation and cache
+write fused; the session's method selects), with StreamingLLM and in a converted hybrid (their attention runs as
+before; norms and MLP fused); q, k and v move once
 into one buffer without changing the model's values or bytes; and the fused step stays capturable (the same
 operations every step, nothing new allocated in the decode state).
 
@@ -27,6 +28,7 @@ from retrofit.generation import StaticGeneration, fused_layers
 from retrofit.generation.inputs import SamplingOptions
 from retrofit.generation.sampling import TokenChooser
 from retrofit.kernels import use_backend
+from retrofit.sparse import cache as sparse_cache
 from retrofit.sparse import sparse_decoding
 
 CACHE_TOL = 1e-5  # see module docstring
@@ -72,6 +74,7 @@ def calls(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(fused_layers, "rotary_qk_into_cache", counting("rotary", fused_layers.rotary_qk_into_cache))
+    monkeypatch.setattr(sparse_cache, "rotary_qk_into_cache", counting("rotary", sparse_cache.rotary_qk_into_cache))
     monkeypatch.setattr(fused_layers, "add_rms_norm", counting("add_rms_norm", fused_layers.add_rms_norm))
     return counted
 
@@ -165,18 +168,38 @@ def _gemms_in_a_decode_step(model, fuse_layers: bool) -> int:
     return sum(name.split(".")[1] in ("mm", "addmm", "addmm_") for name, _, _ in count.trace)
 
 
-def test_a_sparse_session_keeps_its_attention_and_gets_the_fused_norms(tiny, calls):
-    """Quest at a budget covering the context: the session's layers attend as before (no fused rotation or cache
-    write; their attention modules run, their q, k and v projections served from one GEMM), while norms and MLP run
-    fused; the tokens are those of the unfused engine."""
-    with sparse_decoding(tiny, method="quest", budget=64, page_size=4, dense_layers=()):
+@pytest.mark.parametrize("budget", [64, 12], ids=["budget-covers-context", "budget-12"])
+def test_a_sparse_sessions_layers_rotate_and_write_fused_and_attend_through_the_session(tiny, calls, budget):
+    """Quest (page 4), at a budget covering the context and at 12 of its 24 positions: each layer's decode token is
+    rotated and written by the fused kernel into the session's SparseLayer, which then attends through Quest's
+    selection; norms and MLP run fused; the tokens, the caches (within CACHE_TOL) and the layers' counters are those of
+    the unfused engine (the model's own attention module and the cache's update)."""
+    with sparse_decoding(tiny, method="quest", budget=budget, page_size=4, dense_layers=()):
         fused = _decode(tiny)
-        assert calls["rotary"] == 0 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
+        assert calls["rotary"] == 2 * (NEW_TOKENS - 1) and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
         unfused = _decode(tiny, fuse_layers=False)
         gemms = {fuse: _gemms_in_a_decode_step(tiny, fuse) for fuse in (True, False)}
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
+    for mine, theirs in zip(fused.cache.layers, unfused.cache.layers, strict=True):
+        assert (mine.length, mine.seen, mine.new_start) == (theirs.length, theirs.seen, theirs.new_start)
+        assert int(mine.write_pos) == int(theirs.write_pos) == PROMPT_LENGTH + NEW_TOKENS - 1
+        assert torch.equal(mine.kv_end, theirs.kv_end) and torch.equal(mine.kv_start, theirs.kv_start)
+        assert mine.sparse_steps == theirs.sparse_steps == NEW_TOKENS - 1  # every step selected
+        assert rel_rms(mine.keys, theirs.keys) < CACHE_TOL and rel_rms(mine.values, theirs.values) < CACHE_TOL
+        for name in ("page_min", "page_max"):
+            assert rel_rms(mine.meta[name], theirs.meta[name]) < CACHE_TOL
     # per layer: q, k, v, o, gate, up, down (7) unfused; q/k/v as one, o, gate, up, down (5) fused; + the LM head
     assert (gemms[False], gemms[True]) == (2 * 7 + 1, 2 * 5 + 1)
+
+
+def test_streaming_layers_keep_their_attention_and_get_the_fused_norms(tiny, calls):
+    """StreamingLLM writes its ring itself (its method's append), so its layers' own attention modules run (q, k and v
+    served from one GEMM) while norms and MLP run fused; the tokens are those of the unfused engine."""
+    with sparse_decoding(tiny, method="streaming", budget=12, n_sink=2):
+        fused = _decode(tiny)
+        assert calls["rotary"] == 0 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
+        unfused = _decode(tiny, fuse_layers=False)
+    assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
 
 
 def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls):
@@ -241,10 +264,14 @@ def test_a_model_decoded_with_fused_layers_saves_and_loads_its_weights(tmp_path)
     assert all(torch.equal(tensor, theirs[name]) for name, tensor in model.state_dict().items())
 
 
-def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
+@pytest.mark.parametrize("session", [None, "quest"])
+def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny, session):
     """What a CUDA graph needs of the fused step (as tests/test_decode_step.py checks of the model's own layers):
-    the same aten operations on the same shapes every step, and the decode state's tensors kept in place."""
-    with _decoding(tiny, steps=1, new_tokens=8) as generation:
+    the same aten operations on the same shapes every step, and the decode state's tensors kept in place; dense, and
+    inside a Quest session (its layers rotated and written by the fused kernel, selected by Quest's kernels)."""
+    opened = (sparse_decoding(tiny, method="quest", budget=12, page_size=4, dense_layers=()) if session
+              else contextlib.nullcontext())
+    with opened, _decoding(tiny, steps=1, new_tokens=8) as generation:
         before = reachable_tensors(generation.cache_state())
         traces, launches = [], []
         for _ in range(3):
@@ -257,7 +284,9 @@ def test_fused_steps_repeat_the_same_operations_and_allocate_no_state(tiny):
         after = reachable_tensors(generation.cache_state())
     assert before == after
     assert all(trace == traces[0] for trace in traces)
-    assert launches == [2 * 6 + 1] * 3  # 6 Triton kernels per layer, the final norm
+    # per layer, dense: the input norm, the rotation and write, 2 attention kernels, the residual norm, the SiLU-gate
+    # (6); Quest adds its page update, page scores and top-k (9); plus the final norm
+    assert launches == [2 * (9 if session else 6) + 1] * 3
 
 
 def _first_step_logits(model, ids, mask, fused: bool) -> torch.Tensor:

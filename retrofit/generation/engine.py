@@ -211,7 +211,7 @@ class StaticGeneration:
         stack.enter_context(attention_function(self.model, self.attention, "engine", mask_function=self.mask))
         if self.fuse_layers and backend_for(self.device) == "triton":
             self.fusion = stack.enter_context(
-                DecodeFusion(self.model, self.cache, self.static_decode_attention).installed())
+                DecodeFusion(self.model, self.cache, self.static_decode_attention, self.session).installed())
             stack.callback(setattr, self, "fusion", None)
         return stack
 

@@ -22,16 +22,20 @@ token). ``save_pretrained`` writes such views as separate tensors.
 
 Supported: Llama, Mistral and Qwen2 decoder layers (their forward is the one above) whose norms are the model's
 RMSNorm and whose MLP is SiLU-gated with plain ``nn.Linear`` projections. The rotation and the cache write are fused
-where the layer's cache is a plain ``transformers.cache_utils.StaticLayer`` (the engine's dense cache) and the
-attention module is the model's own with plain projections; elsewhere (a ``retrofit.sparse_decoding`` session's
-layers, the linear-attention layers of a converted hybrid, sliding-window layers) the layer's own attention module
-runs and only the norms and the MLP are fused, except that a model's own attention module (a sparse session's) gets
-its q, k and v from the one GEMM (:meth:`MergedProjection.served`): 5 GEMMs a layer instead of 7. Prefill chunks and
-anything outside :meth:`DecodeFusion.decoding` run the layers' own forward unchanged.
+where the attention module is the model's own with plain projections and the layer's cache is a plain
+``transformers.cache_utils.StaticLayer`` (the engine's dense cache; the engine's decode attention follows) or a
+``retrofit.sparse_decoding`` session's ``SparseLayer`` whose method stores decode tokens the default way (the
+session's attention follows: its method's selection, then the sparse kernel; every method but StreamingLLM, which
+writes its ring itself). Elsewhere (StreamingLLM's layers, the linear-attention layers of a converted hybrid,
+sliding-window layers) the layer's own attention module runs and only the norms and the MLP are fused, except that
+a model's own attention module (StreamingLLM's) gets its q, k and v from the one GEMM
+(:meth:`MergedProjection.served`): 5 GEMMs a layer instead of 7. Prefill chunks and anything outside
+:meth:`DecodeFusion.decoding` run the layers' own forward unchanged.
 
-A fused layer writes the token's key and value at position ``cumulative_length - 1`` of its ``StaticLayer``: the
-step advances the counters of all those layers first, in one ``_foreach_add_`` (what ``StaticLayer.update`` does
-with one ``add_`` per layer), so the layers' bookkeeping is what transformers' update leaves.
+A fused layer writes the token's key and value at position ``cumulative_length - 1`` of its ``StaticLayer``
+(``write_pos - 1`` of a ``SparseLayer``, whose ``kv_end`` advances too): the step advances the counters of all those
+layers first, in one ``_foreach_add_`` per dtype (what ``StaticLayer.update`` does with one ``add_`` per layer,
+``SparseLayer.write_next`` with two), so the layers' bookkeeping is what their own update leaves.
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from retrofit.kernels import add_rms_norm, rms_norm, rotary_qk_into_cache, silu_mul
+from retrofit.sparse.cache import SparseLayer
+from retrofit.sparse.patch import SparseSession
 
 DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
 ATTENTION_MODULES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
@@ -244,10 +250,19 @@ class FusedDecoderLayer:
         return cls(layer, fusion, *norms, *projections, FusedAttention.of(attn))
 
     def fuses_attention(self) -> bool:
-        """Whether the decode step rotates, writes the cache and attends here (else the layer's attention runs)."""
+        """Whether the decode step rotates, writes the cache and attends here over a ``StaticLayer`` (the engine's
+        decode attention)."""
         layer = self.fusion.cache.layers[self.index]
         return (self.attention is not None and type(layer) is StaticLayer
                 and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor))
+
+    def fuses_sparse_attention(self) -> bool:
+        """Whether the decode step rotates and writes here into a sparse session's layer, then attends through the
+        session (its method's selection); else, where :meth:`fuses_attention` does not hold either, the layer's own
+        attention module runs."""
+        layer = self.fusion.cache.layers[self.index]
+        return (self.attention is not None and self.fusion.session is not None and isinstance(layer, SparseLayer)
+                and layer.fusable_decode_write())
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """hidden_states [B, 1, H] (a decode token) -> [B, 1, H]; anything else goes to the layer's own forward."""
@@ -256,7 +271,7 @@ class FusedDecoderLayer:
         B, _, H = hidden_states.shape
         residual = hidden_states.reshape(B, H)
         normed = rms_norm(residual, self.input_norm.weight, self.input_norm.eps)
-        if self.fuses_attention():
+        if self.fuses_attention() or self.fuses_sparse_attention():
             attended = self._attention(normed, kwargs)
         else:
             attended = self._own_attention(normed.view(B, 1, H), kwargs).reshape(B, H)
@@ -265,7 +280,7 @@ class FusedDecoderLayer:
         return self.down.add_into(residual, activated).view(B, 1, H)
 
     def _own_attention(self, normed: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """normed [B, 1, H] -> the layer's own attention module's output [B, 1, H]: a sparse session's attention (its
+        """normed [B, 1, H] -> the layer's own attention module's output [B, 1, H]: StreamingLLM's attention (its
         q, k and v served from one GEMM), a converted layer's recurrence."""
         attn = self.layer.self_attn
         if self.attention is None:
@@ -274,7 +289,9 @@ class FusedDecoderLayer:
             return attn(hidden_states=normed, **kwargs)[0]
 
     def _attention(self, normed: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """normed [B, H] -> the attention block's output [B, H] (before the residual add)."""
+        """normed [B, H] -> the attention block's output [B, H] (before the residual add): the token rotated and
+        written in one kernel, then the engine's decode attention over a ``StaticLayer`` or the session's over a
+        ``SparseLayer``."""
         attention, layer = self.attention, self.fusion.cache.layers[self.index]
         if kwargs.get("position_embeddings") is None:
             raise RuntimeError(f"decoder layer {self.index} was called without position_embeddings: the fused decode "
@@ -282,10 +299,12 @@ class FusedDecoderLayer:
         cos, sin = kwargs["position_embeddings"]
         B, D = normed.shape[0], attention.head_dim
         q, k, v = attention.qkv(normed)
-        queries = rotary_qk_into_cache(q.view(B, attention.heads, D), k.view(B, attention.kv_heads, D),
-                                       v.view(B, attention.kv_heads, D), cos, sin,
-                                       layer.keys, layer.values, layer.cumulative_length)
-        attended = self.fusion.attend(layer, queries, attention.scale)
+        q, k, v = q.view(B, attention.heads, D), k.view(B, attention.kv_heads, D), v.view(B, attention.kv_heads, D)
+        if isinstance(layer, SparseLayer):
+            attended = self.fusion.session.decode(layer, layer.write_rotated_next(q, k, v, cos, sin), attention.scale)
+        else:
+            queries = rotary_qk_into_cache(q, k, v, cos, sin, layer.keys, layer.values, layer.cumulative_length)
+            attended = self.fusion.attend(layer, queries, attention.scale)
         return attention.o(attended.view(B, attention.heads * D))
 
 
@@ -306,12 +325,13 @@ class DecodeFusion:
     """The fused decode forward of a model's supported decoder layers (and its final norm), for one engine.
 
     ``cache``: the engine's cache; ``attend(layer, queries [B, Hq, D], scale) -> [B, Hq, D]``: the engine's decode
-    attention over a ``StaticLayer`` (its valid positions ``[row_start, cumulative_length)``). :meth:`installed`
-    puts the fused forwards in place (undone on exit); they act only inside :meth:`decoding`, one decode step.
+    attention over a ``StaticLayer`` (its valid positions ``[row_start, cumulative_length)``); ``session``: the
+    ``retrofit.sparse_decoding`` session whose layers the cache holds, if any. :meth:`installed` puts the fused
+    forwards in place (undone on exit); they act only inside :meth:`decoding`, one decode step.
     """
 
-    def __init__(self, model: torch.nn.Module, cache, attend: DecodeAttention):
-        self.model, self.cache, self.attend = model, cache, attend
+    def __init__(self, model: torch.nn.Module, cache, attend: DecodeAttention, session: SparseSession | None = None):
+        self.model, self.cache, self.attend, self.session = model, cache, attend, session
         self.active = False
         self.layers: list[FusedDecoderLayer] = []
         self.final_norm: FusedNorm | None = None
@@ -340,12 +360,22 @@ class DecodeFusion:
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
-        """One decode step of the engine: advances the static layers' counters the fused layers write at (one
-        ``_foreach_add_``), and makes the fused forwards act inside the block."""
-        counters = [self.cache.layers[fused.index].cumulative_length for fused in self.layers
-                    if fused.fuses_attention()]
-        if counters:
-            torch._foreach_add_(counters, 1)
+        """One decode step of the engine: advances the counters the fused layers write at (the static layers'
+        lengths, the sparse layers' write positions and valid ends: one ``_foreach_add_`` per dtype), and makes the
+        fused forwards act inside the block."""
+        counters: dict[torch.dtype, list[torch.Tensor]] = {}
+        for fused in self.layers:
+            layer = self.cache.layers[fused.index]
+            if fused.fuses_attention():
+                advanced = [layer.cumulative_length]
+            elif fused.fuses_sparse_attention():
+                advanced = list(layer.decode_counters())
+            else:
+                continue
+            for counter in advanced:
+                counters.setdefault(counter.dtype, []).append(counter)
+        for group in counters.values():
+            torch._foreach_add_(group, 1)
         self.active = True
         try:
             yield

@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, StaticCache
 
 from retrofit.errors import RetrofitError
+from retrofit.kernels import rotary_qk_into_cache
 
 if TYPE_CHECKING:
     from retrofit.sparse.contract import SparseMethod
@@ -27,7 +28,8 @@ class SparseLayer(CacheLayerMixin):
     ``kv_start[b] <= pos < kv_end[b]`` ([B] int32 device tensors; left padding lies before ``kv_start``); ``meta``,
     the method's own metadata (its to change, in place once allocated). The buffers change only through
     :meth:`write` (a prefill chunk, at the host-known position ``length``), :meth:`write_next` (one decode token per
-    row at the device position ``write_pos``), :meth:`write_rows` (one token per row at per-row positions) and
+    row at the device position ``write_pos``; :meth:`write_rotated_next` the same with the token's rotation, for
+    the engine's fused decode layers), :meth:`write_rows` (one token per row at per-row positions) and
     :meth:`compact` (keep chosen positions only).
 
     With ``capacity`` (a static cache, :meth:`SparseSession.new_cache`), the buffers are allocated once at that size
@@ -126,6 +128,30 @@ class SparseLayer(CacheLayerMixin):
         self._write_pos.add_(1)
         self._kv_end.add_(1)
         self._length += 1
+
+    def fusable_decode_write(self) -> bool:
+        """Whether a decode token may be rotated and written by :meth:`write_rotated_next`: a static layer, not
+        evicted, whose method stores decode tokens the default way (``SparseMethod.plain_decode_write``)."""
+        return self.static and self.is_initialized and not self.evicted and self.method.plain_decode_write()
+
+    def decode_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``write_pos`` [1] long, ``kv_end`` [B] int32): the device counters one decode token advances by one,
+        which :meth:`write_rotated_next` expects advanced already (the engine's fused step adds one to the counters
+        of all its layers in one ``_foreach_add_`` per dtype)."""
+        return self._write_pos, self._kv_end
+
+    def write_rotated_next(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+        """One decode token per row, its :meth:`decode_counters` advanced already: rotate ``q [B, Hq, D]`` and
+        ``k [B, Hkv, D]`` by ``cos, sin`` (``[B, 1, D]``, the model's position embeddings) and write the rotated key
+        and ``v [B, Hkv, D]`` at ``write_pos - 1`` in one kernel (``rotary_qk_into_cache``) -> rotated q
+        ``[B, Hq, D]``: what :meth:`update` then the model's rotation would store and return, with the host counters
+        advanced as :meth:`update` advances them."""
+        self._reserve(self._length + 1)
+        self.new_start = self._length
+        self._length += 1
+        self.seen += 1
+        return rotary_qk_into_cache(q, k, v, cos, sin, self._keys, self._values, self._write_pos)
 
     def write_rows(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    valid_end: torch.Tensor) -> None:

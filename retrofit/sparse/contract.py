@@ -83,6 +83,12 @@ class SparseMethod(ABC):
         else:
             layer.write(keys, values)
 
+    def plain_decode_write(self) -> bool:
+        """Whether a decode token is stored the default way (:meth:`append`'s ``write_next`` at ``write_pos``): then
+        the engine's fused decode layers may rotate and write it with one kernel (``SparseLayer.write_rotated_next``).
+        A method that overrides :meth:`append` (StreamingLLM's ring) answers no."""
+        return type(self).append is SparseMethod.append
+
     @abstractmethod
     def select(self, layer: "SparseLayer", query: torch.Tensor) -> Selection | None:
         """Blocks read by the decode query [B, Hq, D] (post-RoPE), or None to attend densely."""

@@ -94,18 +94,28 @@ class SparseSession:
             out = self.dense(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             self.method.prepare(layer, start, end)
             return out
+        return self._decode(layer, query[:, :, 0, :].contiguous(), scaling)[:, None, :, :], None
+
+    def decode(self, layer: SparseLayer, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """One decode token's attention over ``layer``, the token written already (the engine's fused decode
+        layers write it with ``SparseLayer.write_rotated_next``): q [B, Hq, D] rotated -> [B, Hq, D], what the
+        attention function gives for that token."""
+        if self.backend == "auto":
+            return self._decode(layer, q, scaling)
+        with use_backend(self.backend):
+            return self._decode(layer, q, scaling)
+
+    def _decode(self, layer: SparseLayer, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
         if not layer.static:  # upkeep over the tokens before this step's (a static cache's runs between steps)
             self.method.maintain(layer, layer.length - 1)
         self.method.prepare_step(layer)
-        q = query[:, :, 0, :].contiguous()
         selection = self.method.select(layer, q)
         if selection is None:  # the method keeps this layer dense: every valid position, through the same kernel
             selection = all_blocks(layer)
         else:
             layer.sparse_steps += 1
-        out = sparse_decode_attention(q, layer.keys, layer.values, selection.indices, selection.counts,
-                                      layer.kv_start, layer.kv_end, block_size=selection.block_size, scale=scaling)
-        return out[:, None, :, :], None
+        return sparse_decode_attention(q, layer.keys, layer.values, selection.indices, selection.counts,
+                                       layer.kv_start, layer.kv_end, block_size=selection.block_size, scale=scaling)
 
     def _layer_for(self, module, key) -> SparseLayer | None:
         cache = self.cache
