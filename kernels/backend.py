@@ -43,6 +43,7 @@ OPS: dict[str, tuple[str, str]] = {
     "quest_page_update": ("sparse_decode.newest_block:quest_page_update_triton",
                           "sparse_decode.reference:quest_page_update_ref"),
     "mask_positions": ("sparse_decode.compaction:mask_positions_triton", "sparse_decode.reference:mask_positions_ref"),
+    "cluster_take": ("sparse_decode.cluster_mask:cluster_take_triton", "sparse_decode.reference:cluster_take_ref"),
     "cluster_token_mask": ("sparse_decode.cluster_mask:cluster_token_mask_triton",
                            "sparse_decode.reference:cluster_token_mask_ref"),
     "pool_newest_block": ("sparse_decode.newest_block:pool_newest_block_triton",

@@ -271,20 +271,3 @@ def test_hybrid_model_sparsifies_only_softmax_layers(smollm2):
     assert steps == {2}
     assert torch.equal(tokens, dense)
 
-
-def test_clusterkv_fixed_count_equals_the_fixed_positions():
-    """ClusterKV's room for clusters is the budget less the sinks and recent tokens it reads anyway, counted from the
-    bounds (no pass over the buffer): equal to the count of ``fixed_positions`` for every row shape of a 20-position
-    buffer, including recent_from before kv_start or past kv_end, overlapping sinks and an empty row."""
-    from retrofit.kernels.sparse_decode import fixed_positions
-    from retrofit.sparse.methods.clusterkv import fixed_count
-
-    N = 20
-    grid = [(start, end, recent) for start in range(0, 6) for end in range(start, N + 1) for recent in range(-3, 23)]
-    kv_start = torch.tensor([g[0] for g in grid])
-    kv_end = torch.tensor([g[1] for g in grid])
-    recent_from = torch.tensor([[g[2]] for g in grid])
-    for n_sink in range(0, 5):
-        counted = fixed_count(kv_start[:, None], kv_end[:, None], recent_from, n_sink)
-        expected = fixed_positions(kv_start, kv_end, recent_from, n_sink, N).sum(-1, keepdim=True)
-        assert torch.equal(counted, expected), n_sink

@@ -6,13 +6,16 @@ Triton kernels and their pure-PyTorch references; the public functions run eithe
 picks (Triton on CUDA, the reference elsewhere).
 """
 from .attention import sparse_decode_attention
-from .cluster_mask import cluster_token_mask
+from .cluster_mask import cluster_take, cluster_token_mask
 from .compaction import mask_positions
 from .newest_block import pool_newest_block, quest_page_update
 from .reference import (
     block_topk_ref,
     cluster_scores_ref,
+    cluster_take_ref,
     cluster_token_mask_ref,
+    fixed_bounds,
+    fixed_count,
     fixed_positions,
     mask_positions_ref,
     page_bounds,
@@ -40,8 +43,12 @@ __all__ = [
     "block_topk_ref",
     "quest_page_update",
     "quest_page_update_ref",
+    "cluster_take",
+    "cluster_take_ref",
     "cluster_token_mask",
     "cluster_token_mask_ref",
+    "fixed_bounds",
+    "fixed_count",
     "fixed_positions",
     "mask_positions",
     "mask_positions_ref",

@@ -195,23 +195,54 @@ def pool_newest_block_ref(keys: torch.Tensor, write_pos: torch.Tensor, kv_start:
     return pool_blocks(span, valid, block_size)
 
 
-def fixed_positions(kv_start: torch.Tensor, kv_end: torch.Tensor, recent_from: torch.Tensor, n_sink: int,
-                    N: int) -> torch.Tensor:
-    """The positions a ClusterKV step reads whatever the clusters: kv_start/kv_end [B], recent_from [B, 1] -> [B, N]
-    bool, the valid positions (``kv_start <= pos < kv_end``) among the first ``n_sink`` of the row or at or after
-    ``recent_from``."""
-    pos = torch.arange(N, device=kv_start.device)
+def fixed_bounds(kv_start: torch.Tensor, kv_end: torch.Tensor, clustered_upto: torch.Tensor, budget: int,
+                 n_sink: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a ClusterKV step reads whatever the clusters: kv_start/kv_end [B] (each row's valid positions),
+    clustered_upto [1] long (positions before it are clustered) -> (start, end, sinks_end, recent_from) [B, 1] long:
+    the sinks are [start, sinks_end) (the row's first ``n_sink`` valid positions), the recent tokens [recent_from,
+    end): the unclustered ones, or the newest ``budget - n_sink`` where more are unclustered."""
     start, end = kv_start.long()[:, None], kv_end.long()[:, None]
-    return (pos >= start) & (pos < end) & ((pos < start + n_sink) | (pos >= recent_from))
+    sinks_end = torch.minimum(start + n_sink, end)
+    recent_from = torch.maximum(clustered_upto, end - (budget - n_sink))
+    return start, end, sinks_end, recent_from
+
+
+def fixed_positions(kv_start: torch.Tensor, kv_end: torch.Tensor, clustered_upto: torch.Tensor, budget: int,
+                    n_sink: int, N: int) -> torch.Tensor:
+    """The positions of :func:`fixed_bounds` among N: [B, N] bool."""
+    start, end, sinks_end, recent_from = fixed_bounds(kv_start, kv_end, clustered_upto, budget, n_sink)
+    pos = torch.arange(N, device=kv_start.device)
+    return (pos >= start) & (pos < end) & ((pos < sinks_end) | (pos >= recent_from))
+
+
+def fixed_count(kv_start: torch.Tensor, kv_end: torch.Tensor, clustered_upto: torch.Tensor, budget: int,
+                n_sink: int) -> torch.Tensor:
+    """How many positions :func:`fixed_positions` holds, [B, 1] long, counted from the bounds: the sinks, then the
+    recent tokens past them."""
+    start, end, sinks_end, recent_from = fixed_bounds(kv_start, kv_end, clustered_upto, budget, n_sink)
+    return (sinks_end - start) + (end - torch.maximum(recent_from, sinks_end)).clamp(min=0)
+
+
+def cluster_take_ref(scores: torch.Tensor, sizes: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                     clustered_upto: torch.Tensor, budget: int, n_sink: int) -> torch.Tensor:
+    """The clusters a ClusterKV step reads: scores [B, Hkv, C] fp32, sizes [B, Hkv, C] int32 (0: an empty slot, never
+    ranked ahead of a cluster) -> taken [B, Hkv, C] bool: best score first (ties: the lower slot first), each cluster
+    taken while the sizes so far fit in the room the row's :func:`fixed_count` leaves of ``budget``."""
+    room = (budget - fixed_count(kv_start, kv_end, clustered_upto, budget, n_sink))[:, None, :]  # [B, 1, 1]
+    ranked = scores.float().masked_fill(sizes == 0, float("-inf"))
+    order = torch.argsort(ranked, dim=-1, descending=True, stable=True)
+    taken_in_order = torch.cumsum(sizes.long().gather(-1, order), -1) <= room
+    return torch.zeros_like(taken_in_order).scatter_(-1, order, taken_in_order)
 
 
 def cluster_token_mask_ref(assign: torch.Tensor, taken: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
-                           recent_from: torch.Tensor, n_sink: int) -> torch.Tensor:
+                           clustered_upto: torch.Tensor, budget: int, n_sink: int) -> torch.Tensor:
     """ClusterKV's token mask of a decode step: assign [B, Hkv, N] int32 (cluster of each position, -1: not
     clustered), taken [B, Hkv, C] bool -> [B, Hkv, N] bool, the positions of taken clusters or of
     :func:`fixed_positions`."""
     chosen = taken.gather(-1, assign.long().clamp(min=0)) & (assign >= 0)
-    return chosen | fixed_positions(kv_start, kv_end, recent_from, n_sink, assign.shape[-1])[:, None, :]
+    fixed = fixed_positions(kv_start, kv_end, clustered_upto, budget, n_sink, assign.shape[-1])
+    return chosen | fixed[:, None, :]
 
 
 def mask_positions_ref(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

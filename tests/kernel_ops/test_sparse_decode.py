@@ -18,8 +18,12 @@ from retrofit.kernels.sparse_decode import (
     block_topk_ref,
     cluster_scores,
     cluster_scores_ref,
+    cluster_take,
+    cluster_take_ref,
     cluster_token_mask,
     cluster_token_mask_ref,
+    fixed_count,
+    fixed_positions,
     mask_positions,
     mask_positions_ref,
     pool_newest_block,
@@ -274,41 +278,100 @@ def test_mask_positions_match_reference_exactly(case):
     assert mask[1, listed].all() and (listed.diff() > 0).all()
 
 
-# (N, clusters, n_sink): N = 1, 63, 75 awkward; 2500 spans three blocks of 1024; n_sink 0 (no sinks) and 4
-CLUSTER_MASK_CASES = {"N1": (1, 3, 0), "N63": (63, 5, 4), "N75": (75, 7, 4), "N2500": (2500, 40, 4)}
+# (N, clusters, n_sink, budget): N = 1, 63, 75 awkward; 2500 spans three blocks of 1024; n_sink 0 (no sinks) and 4
+CLUSTER_MASK_CASES = {"N1": (1, 3, 0, 8), "N63": (63, 5, 4, 16), "N75": (75, 7, 4, 40), "N2500": (2500, 40, 4, 600)}
 
 
-def _cluster_mask_inputs(N, clusters, n_sink, device="cpu"):
+def _cluster_mask_inputs(N, clusters, n_sink, budget, device="cpu"):
     """Two rows of 3 kv heads: the first without padding, the second left-padded; cluster ids -1 (not clustered) to
-    clusters-1 with the tail unclustered; about half of the clusters taken; recent_from below kv_start in row 0 and
-    inside the row in row 1 (kv_start/kv_end as the int32 [B] the cache keeps)."""
+    clusters-1 with the tail unclustered (clustered_upto at 3/4 of N); about half of the clusters taken
+    (kv_start/kv_end as the int32 [B] the cache keeps)."""
     gen = torch.Generator().manual_seed(N + clusters)
     B, H = 2, 3
     assign = torch.randint(-1, clusters, (B, H, N), generator=gen, dtype=torch.int32)
-    assign[..., N - N // 4 :] = -1
+    clustered_upto = N - N // 4
+    assign[..., clustered_upto:] = -1
     taken = torch.rand(B, H, clusters, generator=gen) < 0.5
     kv_start = torch.tensor([0, N // 5], dtype=torch.int32)
     kv_end = torch.tensor([N, max(N // 5 + 1, N - 3)], dtype=torch.int32)
-    recent_from = torch.tensor([[-5], [N - N // 3]], dtype=torch.long)
-    return [t.to(device) for t in (assign, taken, kv_start, kv_end, recent_from)] + [n_sink]
+    inputs = (assign, taken, kv_start, kv_end, torch.tensor([clustered_upto], dtype=torch.long))
+    return [t.to(device) for t in inputs] + [budget, n_sink]
 
 
 @pytest.mark.parametrize("case", list(CLUSTER_MASK_CASES), ids=list(CLUSTER_MASK_CASES))
 def test_cluster_token_mask_matches_reference_exactly(case):
     """Exact boolean output: a position is in the mask iff its cluster is taken or it is a sink or recent valid
     position; checked element by element against the reference and against the definition at chosen positions."""
-    N, clusters, n_sink = CLUSTER_MASK_CASES[case]
-    assign, taken, kv_start, kv_end, recent_from, n_sink = _cluster_mask_inputs(N, clusters, n_sink)
-    mask = cluster_token_mask(assign, taken, kv_start, kv_end, recent_from, n_sink)
-    expected = cluster_token_mask_ref(assign, taken, kv_start, kv_end, recent_from, n_sink)
+    N = CLUSTER_MASK_CASES[case][0]
+    inputs = _cluster_mask_inputs(*CLUSTER_MASK_CASES[case])
+    assign, taken, kv_start, kv_end, clustered_upto, budget, n_sink = inputs
+    mask = cluster_token_mask(*inputs)
     assert mask.dtype == torch.bool and mask.shape == (2, 3, N)
-    assert torch.equal(mask, expected)
+    assert torch.equal(mask, cluster_token_mask_ref(*inputs))
     b, h = 1, 2
+    recent_from = max(int(clustered_upto), int(kv_end[b]) - (budget - n_sink))
     for p in {0, N // 5, N // 2, N - 1}:
         cluster = int(assign[b, h, p])
         in_row = int(kv_start[b]) <= p < int(kv_end[b])
-        fixed = in_row and (p < int(kv_start[b]) + n_sink or p >= int(recent_from[b, 0]))
+        fixed = in_row and (p < int(kv_start[b]) + n_sink or p >= recent_from)
         assert bool(mask[b, h, p]) == ((cluster >= 0 and bool(taken[b, h, cluster])) or fixed)
+
+
+def test_fixed_count_equals_the_fixed_positions():
+    """ClusterKV's room for clusters is the budget less the sinks and recent tokens it reads anyway, counted from the
+    bounds (no pass over the buffer): equal to the count of ``fixed_positions`` for every row shape of a 20-position
+    buffer (clustered_upto before, inside and after the row; the newest budget - n_sink tokens past it; sinks
+    overlapping the recent tokens; an empty row)."""
+    N = 20
+    rows = [(start, end) for start in range(0, 6) for end in range(start, N + 1)]
+    kv_start = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    kv_end = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    for clustered_upto in range(0, N + 2, 3):
+        for budget, n_sink in ((4, 0), (6, 2), (8, 4), (30, 4)):
+            upto = torch.tensor([clustered_upto])
+            counted = fixed_count(kv_start, kv_end, upto, budget, n_sink)
+            expected = fixed_positions(kv_start, kv_end, upto, budget, n_sink, N).sum(-1, keepdim=True)
+            assert torch.equal(counted, expected), (clustered_upto, budget, n_sink)
+
+
+# (clusters, budget, clustered_upto): C = 1, 7, 75 awkward, 130 spans three blocks of 64; budgets leaving no room,
+# some and all; nothing clustered yet (the newest budget - n_sink tokens are the recent ones) or all but 20 tokens
+CLUSTER_TAKE_CASES = {"C1": (1, 40, 280), "C7-none-clustered": (7, 30, 0), "C75": (75, 200, 280),
+                      "C130-tight": (130, 24, 280), "C130-all": (130, 100000, 280)}
+
+
+def _cluster_take_inputs(C, budget, clustered_upto, device="cpu"):
+    """Three rows of 3 kv heads: sizes 0 (empty slots) to 9, scores rounded to a coarse grid so that ties are common
+    (broken by the lower slot); the second row left-padded; the third holding 3 positions, fewer than its sinks, so
+    that its recent tokens overlap them where nothing is clustered."""
+    gen = torch.Generator().manual_seed(C + budget)
+    B, H, N = 3, 3, 300
+    scores = (torch.randn(B, H, C, generator=gen) * 2).round() / 2
+    sizes = torch.randint(0, 10, (B, H, C), generator=gen, dtype=torch.int32)
+    kv_start = torch.tensor([0, 37, 37], dtype=torch.int32)
+    kv_end = torch.tensor([N, N - 5, 40], dtype=torch.int32)
+    inputs = (scores, sizes, kv_start, kv_end, torch.tensor([clustered_upto], dtype=torch.long))
+    return [t.to(device) for t in inputs] + [budget, 4]
+
+
+@pytest.mark.parametrize("case", list(CLUSTER_TAKE_CASES), ids=list(CLUSTER_TAKE_CASES))
+def test_cluster_take_matches_reference_exactly(case):
+    """Exact boolean output against the sort-and-prefix-sum reference; and the rule itself on one row: the taken
+    clusters' sizes fit in the room, and every cluster ranked ahead of a taken one is taken."""
+    C = CLUSTER_TAKE_CASES[case][0]
+    inputs = _cluster_take_inputs(*CLUSTER_TAKE_CASES[case])
+    scores, sizes, kv_start, kv_end, clustered_upto, budget, n_sink = inputs
+    with nan_poisoned_allocations():
+        taken = cluster_take(*inputs)
+    assert taken.dtype == torch.bool and taken.shape == (3, 3, C)
+    assert torch.equal(taken, cluster_take_ref(*inputs))
+    room = budget - int(fixed_count(kv_start, kv_end, clustered_upto, budget, n_sink)[1])
+    row_taken, row_sizes = taken[1, 2], sizes[1, 2].long()
+    assert int(row_sizes[row_taken].sum()) <= max(room, 0)
+    ranked = scores[1, 2].masked_fill(row_sizes == 0, float("-inf"))
+    order = torch.argsort(ranked, descending=True, stable=True)
+    flags = row_taken[order]
+    assert not (flags[1:] & ~flags[:-1]).any()  # taken ranks form a prefix of the ranking
 
 
 # (written, block_size): the block of the newest token, its last block running past the buffer (N = 75)
@@ -373,6 +436,13 @@ def test_mask_positions_gpu(N):
 def test_cluster_token_mask_gpu(case):
     inputs = _cluster_mask_inputs(*CLUSTER_MASK_CASES[case], device="cuda")
     assert torch.equal(cluster_token_mask(*inputs), cluster_token_mask_ref(*inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CLUSTER_TAKE_CASES), ids=list(CLUSTER_TAKE_CASES))
+def test_cluster_take_gpu(case):
+    inputs = _cluster_take_inputs(*CLUSTER_TAKE_CASES[case], device="cuda")
+    assert torch.equal(cluster_take(*inputs), cluster_take_ref(*inputs))
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retrofit.kernels.sparse_decode import cluster_scores, cluster_token_mask
+from retrofit.kernels.sparse_decode import cluster_scores, cluster_take, cluster_token_mask
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import grown, mask_to_selection
@@ -130,21 +130,9 @@ class ClusterKV(SparseMethod):
 
     def select(self, layer, query: torch.Tensor) -> Selection:
         meta = layer.meta
-        kv_start, kv_end = layer.kv_start.long()[:, None], layer.kv_end.long()[:, None]
-        recent_from = torch.maximum(meta["clustered_upto"], kv_end - (self.budget - self.n_sink))  # [B, 1]
-        sizes = meta["sizes"]
-        scores = cluster_scores(query, meta["centroids"], sizes.shape[2]).masked_fill(sizes == 0, float("-inf"))
-        order = torch.argsort(scores, dim=-1, descending=True, stable=True)
-        room = (self.budget - fixed_count(kv_start, kv_end, recent_from, self.n_sink))[:, None, :]  # [B, 1, 1]
-        taken_sorted = torch.cumsum(sizes.gather(-1, order), -1) <= room
-        taken = torch.zeros_like(taken_sorted).scatter_(-1, order, taken_sorted)
-        mask = cluster_token_mask(meta["assign"], taken, layer.kv_start, layer.kv_end, recent_from, self.n_sink)
+        sizes, clustered_upto = meta["sizes"], meta["clustered_upto"]
+        scores = cluster_scores(query, meta["centroids"], sizes.shape[2])
+        taken = cluster_take(scores, sizes, layer.kv_start, layer.kv_end, clustered_upto, self.budget, self.n_sink)
+        mask = cluster_token_mask(meta["assign"], taken, layer.kv_start, layer.kv_end, clustered_upto, self.budget,
+                                  self.n_sink)
         return mask_to_selection(mask, self.budget)
-
-
-def fixed_count(kv_start: torch.Tensor, kv_end: torch.Tensor, recent_from: torch.Tensor, n_sink: int) -> torch.Tensor:
-    """kv_start, kv_end, recent_from [B, 1] long -> [B, 1]: how many positions
-    :func:`~retrofit.kernels.sparse_decode.fixed_positions` holds, counted from the bounds rather than over the
-    buffer: the sinks [kv_start, sinks_end) and the recent tokens [max(recent_from, sinks_end), kv_end)."""
-    sinks_end = torch.minimum(kv_start + n_sink, kv_end)
-    return (sinks_end - kv_start) + (kv_end - torch.maximum(recent_from, sinks_end)).clamp(min=0)
