@@ -1,8 +1,9 @@
 """Triton kernels of ClusterKV's decode-step selection after the cluster scores: which clusters the step takes, and
 the token mask they give with the sinks and recent tokens. ``cluster_take`` ranks each row's clusters by score and
 takes them while their sizes fit in the budget: for every cluster it sums the sizes of the clusters ranked at or
-before it (a pairwise count over the row's few hundred clusters, no sort), which replaces a sort, a gather, a prefix
-sum, a scatter and the room's arithmetic. ``cluster_token_mask`` reads each position's cluster id and looks its
+before it (a pairwise count over the row's few hundred clusters, no sort; one program per row and block of 64
+clusters, each reading the whole row: C^2 comparisons a row, ~1.4M at a thousand clusters), which replaces a sort, a
+gather, a prefix sum, a scatter and the room's arithmetic. ``cluster_token_mask`` reads each position's cluster id and looks its
 cluster up in the taken flags: it replaces about ten element-wise kernels over the whole buffer per layer. Both
 compute the sinks' and recent tokens' bounds from the row's counters. Semantics: ``reference.cluster_take_ref`` and
 ``reference.cluster_token_mask_ref`` (identical output).
@@ -33,27 +34,26 @@ def _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, batch, stride_st
 def _cluster_take_kernel(scores_ptr, sizes_ptr, kv_start_ptr, kv_end_ptr, clustered_upto_ptr, taken_ptr,
                          stride_s, stride_z, stride_start, stride_end, stride_t, heads, C, budget, n_sink,
                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row, block = tl.program_id(0), tl.program_id(1)
     start, end, sinks_end, recent_from = _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, row // heads,
                                                        stride_start, stride_end, budget, n_sink)
     room = budget - (sinks_end - start) - tl.maximum(end - tl.maximum(recent_from, sinks_end), 0)
     offs = tl.arange(0, BLOCK)
-    for first in range(0, C, BLOCK):
-        mine = first + offs
-        inside = mine < C
-        size = tl.load(sizes_ptr + row * stride_z + mine, mask=inside, other=0)
-        score = tl.load(scores_ptr + row * stride_s + mine, mask=inside, other=float("-inf"))
-        score = tl.where(size == 0, float("-inf"), score)
-        ahead = tl.zeros([BLOCK], dtype=tl.int64)  # sizes of the clusters ranked at or before each of mine
-        for other_first in range(0, C, BLOCK):
-            other = other_first + offs
-            other_size = tl.load(sizes_ptr + row * stride_z + other, mask=other < C, other=0)
-            other_score = tl.load(scores_ptr + row * stride_s + other, mask=other < C, other=float("-inf"))
-            other_score = tl.where(other_size == 0, float("-inf"), other_score)
-            before = (other_score[None, :] > score[:, None]) | (
-                (other_score[None, :] == score[:, None]) & (other[None, :] <= mine[:, None]))
-            ahead += tl.sum(tl.where(before, other_size[None, :].to(tl.int64), 0), 1)
-        tl.store(taken_ptr + row * stride_t + mine, (ahead <= room).to(tl.uint8), mask=inside)
+    mine = block * BLOCK + offs
+    inside = mine < C
+    size = tl.load(sizes_ptr + row * stride_z + mine, mask=inside, other=0)
+    score = tl.load(scores_ptr + row * stride_s + mine, mask=inside, other=float("-inf"))
+    score = tl.where(size == 0, float("-inf"), score)
+    ahead = tl.zeros([BLOCK], dtype=tl.int64)  # sizes of the clusters ranked at or before each of mine
+    for other_first in range(0, C, BLOCK):
+        other = other_first + offs
+        other_size = tl.load(sizes_ptr + row * stride_z + other, mask=other < C, other=0)
+        other_score = tl.load(scores_ptr + row * stride_s + other, mask=other < C, other=float("-inf"))
+        other_score = tl.where(other_size == 0, float("-inf"), other_score)
+        before = (other_score[None, :] > score[:, None]) | (
+            (other_score[None, :] == score[:, None]) & (other[None, :] <= mine[:, None]))
+        ahead += tl.sum(tl.where(before, other_size[None, :].to(tl.int64), 0), 1)
+    tl.store(taken_ptr + row * stride_t + mine, (ahead <= room).to(tl.uint8), mask=inside)
 
 
 @triton.jit
@@ -79,9 +79,10 @@ def cluster_take_triton(scores: torch.Tensor, sizes: torch.Tensor, kv_start: tor
     scores, sizes = scores.contiguous().view(B * H, C), sizes.contiguous().view(B * H, C)
     taken = torch.empty(B, H, C, device=scores.device, dtype=torch.bool)
     rows_t = taken.view(torch.uint8).view(B * H, C)
-    _cluster_take_kernel[(B * H,)](scores, sizes, kv_start, kv_end, clustered_upto, rows_t, scores.stride(0),
-                                   sizes.stride(0), kv_start.stride(0), kv_end.stride(0), rows_t.stride(0), H, C,
-                                   budget, n_sink, BLOCK=min(TAKE_BLOCK, max(16, triton.next_power_of_2(C))))
+    block = min(TAKE_BLOCK, max(16, triton.next_power_of_2(C)))
+    _cluster_take_kernel[(B * H, triton.cdiv(C, block))](
+        scores, sizes, kv_start, kv_end, clustered_upto, rows_t, scores.stride(0), sizes.stride(0),
+        kv_start.stride(0), kv_end.stride(0), rows_t.stride(0), H, C, budget, n_sink, BLOCK=block)
     return taken
 
 
