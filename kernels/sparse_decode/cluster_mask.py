@@ -21,8 +21,10 @@ TAKE_BLOCK = 64
 
 
 @triton.jit
-def _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, batch, stride_start, stride_end, budget, n_sink):
-    """(start, end, sinks_end, recent_from) of a row, as ``reference.fixed_bounds``."""
+def _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, row, heads, stride_start, stride_end, budget, n_sink):
+    """(start, end, sinks_end, recent_from) of the batch row that (batch, kv head) row ``row`` belongs to, as
+    ``reference.fixed_bounds``."""
+    batch = row // heads
     start = tl.load(kv_start_ptr + batch * stride_start).to(tl.int64)
     end = tl.load(kv_end_ptr + batch * stride_end).to(tl.int64)
     sinks_end = tl.minimum(start + n_sink, end)
@@ -31,29 +33,33 @@ def _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, batch, stride_st
 
 
 @triton.jit
+def _ranked(scores_ptr, sizes_ptr, slots, C):
+    """(score, size) of the cluster slots ``slots`` of a row; an empty slot (size 0) or one past C scores -inf."""
+    size = tl.load(sizes_ptr + slots, mask=slots < C, other=0)
+    score = tl.load(scores_ptr + slots, mask=slots < C, other=float("-inf"))
+    return tl.where(size == 0, float("-inf"), score), size
+
+
+@triton.jit
 def _cluster_take_kernel(scores_ptr, sizes_ptr, kv_start_ptr, kv_end_ptr, clustered_upto_ptr, taken_ptr,
                          stride_s, stride_z, stride_start, stride_end, stride_t, heads, C, budget, n_sink,
                          BLOCK: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
-    start, end, sinks_end, recent_from = _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, row // heads,
+    start, end, sinks_end, recent_from = _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, row, heads,
                                                        stride_start, stride_end, budget, n_sink)
     room = budget - (sinks_end - start) - tl.maximum(end - tl.maximum(recent_from, sinks_end), 0)
     offs = tl.arange(0, BLOCK)
+    row_scores, row_sizes = scores_ptr + row * stride_s, sizes_ptr + row * stride_z
     mine = block * BLOCK + offs
-    inside = mine < C
-    size = tl.load(sizes_ptr + row * stride_z + mine, mask=inside, other=0)
-    score = tl.load(scores_ptr + row * stride_s + mine, mask=inside, other=float("-inf"))
-    score = tl.where(size == 0, float("-inf"), score)
+    score, _ = _ranked(row_scores, row_sizes, mine, C)
     ahead = tl.zeros([BLOCK], dtype=tl.int64)  # sizes of the clusters ranked at or before each of mine
     for other_first in range(0, C, BLOCK):
         other = other_first + offs
-        other_size = tl.load(sizes_ptr + row * stride_z + other, mask=other < C, other=0)
-        other_score = tl.load(scores_ptr + row * stride_s + other, mask=other < C, other=float("-inf"))
-        other_score = tl.where(other_size == 0, float("-inf"), other_score)
+        other_score, other_size = _ranked(row_scores, row_sizes, other, C)
         before = (other_score[None, :] > score[:, None]) | (
             (other_score[None, :] == score[:, None]) & (other[None, :] <= mine[:, None]))
         ahead += tl.sum(tl.where(before, other_size[None, :].to(tl.int64), 0), 1)
-    tl.store(taken_ptr + row * stride_t + mine, (ahead <= room).to(tl.uint8), mask=inside)
+    tl.store(taken_ptr + row * stride_t + mine, (ahead <= room).to(tl.uint8), mask=mine < C)
 
 
 @triton.jit
@@ -61,7 +67,7 @@ def _cluster_token_mask_kernel(assign_ptr, taken_ptr, kv_start_ptr, kv_end_ptr, 
                                stride_a, stride_t, stride_start, stride_end, stride_o, heads, N, budget, n_sink,
                                BLOCK: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
-    start, end, sinks_end, recent_from = _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, row // heads,
+    start, end, sinks_end, recent_from = _fixed_bounds(kv_start_ptr, kv_end_ptr, clustered_upto_ptr, row, heads,
                                                        stride_start, stride_end, budget, n_sink)
     pos = block * BLOCK + tl.arange(0, BLOCK)
     inside = pos < N

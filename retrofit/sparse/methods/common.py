@@ -41,24 +41,6 @@ def _constant(layer, name: str, build) -> torch.Tensor:
     return cached[1]
 
 
-def positions(layer) -> torch.Tensor:
-    """[capacity] long: every position of the layer's buffer."""
-    return _constant(layer, "positions", lambda: torch.arange(layer.capacity, device=layer.keys.device))
-
-
-def valid_mask(layer) -> torch.Tensor:
-    """[B, capacity] bool: the written, non-padding positions of each row (``kv_start <= pos < kv_end``)."""
-    pos = positions(layer)
-    return (pos >= layer.kv_start.long()[:, None]) & (pos < layer.kv_end.long()[:, None])
-
-
-def sink_mask(layer, n_sink: int) -> torch.Tensor:
-    """[B, capacity] bool: the first ``n_sink`` valid positions of each row."""
-    pos = positions(layer)
-    start = layer.kv_start.long()[:, None]
-    return (pos >= start) & (pos < start + n_sink) & (pos < layer.kv_end.long()[:, None])
-
-
 def blocks_written(layer, start: int, end: int, block_size: int) -> tuple[slice, torch.Tensor, torch.Tensor]:
     """The whole blocks of ``block_size`` positions that positions [start, end) of the buffer touch, for a method's
     metadata after a prefill chunk: (their block range, keys [B, Hkv, L, D] zero-padded to whole blocks, valid [B, L]:
