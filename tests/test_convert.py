@@ -6,6 +6,7 @@ token budget so CI stays fast) from the real calibration books.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 import pytest
@@ -254,6 +255,18 @@ def stage2_one_process(smollm2, calib_data_dir, tmp_path_factory):
     return load_file(out / "model.safetensors")
 
 
+TORCHRUN_LOGS = "torchrun-logs"
+
+
+def _ranks_stderr(result, cwd, tail=2500):
+    """The end of torchrun's own stderr, then the end of each rank's stderr as torchrun's ``--tee`` kept it: a rank
+    that dies (a signal, a gloo error) shows its traceback here, where the merged stream ends with the other rank's."""
+    parts = [f"torchrun exit {result.returncode}:\n{result.stderr[-tail:]}"]
+    for log in sorted((Path(cwd) / TORCHRUN_LOGS).rglob("stderr.log")):
+        parts.append(f"--- {log.relative_to(cwd)}:\n{log.read_text(errors='replace')[-tail:]}")
+    return "\n".join(parts)
+
+
 def _torchrun_convert(calib_data_dir, cwd, *options):
     """``torchrun --nproc-per-node 2 -m retrofit.convert.command convert smollm2-135m`` on 2 CPU processes (gloo),
     1 window per process per step, with the settings of :func:`stage2_one_process` plus ``options``."""
@@ -271,7 +284,8 @@ def _torchrun_convert(calib_data_dir, cwd, *options):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "-m", "retrofit.convert.command", "convert", "smollm2-135m",
+         "--master-port", str(port), "--log-dir", str(Path(cwd) / TORCHRUN_LOGS), "--tee", "3",
+         "-m", "retrofit.convert.command", "convert", "smollm2-135m",
          "--recipe", "smollm2-135m/cpu-small", "--data", str(calib_data_dir / "walden.txt"), *settings, "--quiet",
          "--batch-size", "1", *map(str, options)],
         # Not from the repository root: there `python -m` would put the source tree's top-level `kernels/` folder on
@@ -284,7 +298,7 @@ def test_ddp_two_processes_match_one_process(stage2_one_process, calib_data_dir,
     batches are sharded by rank and DDP averages the gradients. Stage 2 only, where the loss is a per-token mean
     (stage 1's relative MSE is normalised per batch, so its shards are not exactly additive)."""
     result = _torchrun_convert(calib_data_dir, tmp_path, "--out", tmp_path / "two")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _ranks_stderr(result, tmp_path)
     one = stage2_one_process
     two = load_file(tmp_path / "two" / "model.safetensors")
     assert one.keys() == two.keys()
@@ -304,7 +318,7 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     out = tmp_path / "fsdp"
     paused = _torchrun_convert(calib_data_dir, tmp_path, "--parallel", "fsdp", "--max-minutes", "0", "--out", out)
     # each rank exits with code 3 (time budget reached, checkpoint written); torchrun reports a failed group
-    assert paused.returncode != 0 and "exitcode  : 3" in paused.stderr, paused.stderr[-3000:]
+    assert paused.returncode != 0 and "exitcode  : 3" in paused.stderr, _ranks_stderr(paused, tmp_path)
     assert "time budget reached at stage 2, step 1" in paused.stderr and not out.exists()
     state = torch.load(work_dir_for(out) / STATE_FILE, map_location="cpu", weights_only=False)
     assert (state["stage"], state["step"], state["fingerprint"]["config"]["parallel"]) == (2, 1, "fsdp")
@@ -321,7 +335,7 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     assert all(type(m) is torch.Tensor for m in moments)
 
     resumed = _torchrun_convert(calib_data_dir, tmp_path, "--parallel", "fsdp", "--resume", "--out", out)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, _ranks_stderr(resumed, tmp_path)
     fsdp = load_file(out / "model.safetensors")
     assert one.keys() == fsdp.keys()
     worst = max((one[k] - fsdp[k]).abs().max().item() for k in one)
@@ -343,7 +357,7 @@ def test_fsdp_stage1_matches_ddp_stage1(calib_data_dir, tmp_path):
     for engine in ("ddp", "fsdp"):
         result = _torchrun_convert(calib_data_dir, tmp_path, "--stage1-fraction", "1", "--parallel", engine,
                                    "--out", tmp_path / engine)
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.returncode == 0, _ranks_stderr(result, tmp_path)
         runs[engine] = load_file(tmp_path / engine / "model.safetensors")
     section = json.loads((tmp_path / "fsdp" / "config.json").read_text())["retrofit"]["distillation"]
     assert (section["stage1_steps"], section["stage2_steps"]) == (4, 0)
