@@ -48,6 +48,8 @@ OPS: dict[str, tuple[str, str]] = {
                            "sparse_decode.reference:cluster_token_mask_ref"),
     "pool_newest_block": ("sparse_decode.newest_block:pool_newest_block_triton",
                           "sparse_decode.reference:pool_newest_block_ref"),
+    "seer_gate_key_update": ("sparse_decode.newest_block:seer_gate_key_update_triton",
+                             "sparse_decode.reference:seer_gate_key_update_ref"),
     "rms_norm": ("rms_norm.rms_norm:rms_norm_triton", "rms_norm.reference:rms_norm_ref"),
     "add_rms_norm": ("rms_norm.rms_norm:add_rms_norm_triton", "rms_norm.reference:add_rms_norm_ref"),
     "silu_mul": ("silu_mul.silu_mul:silu_mul_triton", "silu_mul.reference:silu_mul_ref"),

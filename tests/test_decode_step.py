@@ -139,3 +139,36 @@ def test_the_kernel_path_of_a_dense_step_matches_its_pytorch_path(model):
                 generation.prefill()
                 logits.append(generation._forward(generation.tokens[:, None], generation.positions, None))
     assert (logits[0] - logits[1]).abs().max() < 1e-4
+
+
+def test_the_kernel_path_of_a_seer_step_matches_its_pytorch_path(model):
+    """SeerAttention's decode step on the Triton kernels (the newest block's gate key pooled, projected and written in
+    one kernel; the gate's scale applied in the scoring kernel) against its PyTorch path (pooling, ``nn.Linear``,
+    ``index_copy_``, the scale on the projected query), through Triton's interpreter: 200 prompt tokens in blocks of
+    64 with a budget of two blocks, so each step chooses one of the older blocks by its gate score. The tokens must
+    be equal and the gate keys equal up to fp32 summation order (1e-5 relative RMS: ~1e-7 is the reordering of 192
+    products, a wrong channel, block or scale moves them by O(1))."""
+    from _testing import rel_rms
+    from retrofit.kernels import use_backend
+
+    ids = torch.randint(0, 49152, (2, 200), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0
+    runs = []
+    for backend in ("torch", "triton"):
+        with torch.no_grad(), use_backend(backend), sparse_decoding(model, method="seer", budget=128,
+                                                                      random_gates=True):
+            generation = _generation(model, ids, mask, 6)
+            with generation.installed():
+                generation.prefill()
+                for _ in range(5):
+                    generation.step()
+                    generation.after_step()
+            gate_keys = [layer.meta["gate_keys"].clone() for layer in generation.cache.layers]
+            runs.append((generation.out[:, :6].clone(), gate_keys, [layer.sparse_steps for layer in
+                                                                    generation.cache.layers]))
+    (tokens, keys, steps), (kernel_tokens, kernel_keys, kernel_steps) = runs
+    assert torch.equal(tokens, kernel_tokens)
+    assert steps == kernel_steps == [5] * len(steps)  # every step selected, on both paths
+    for mine, theirs in zip(kernel_keys, keys, strict=True):
+        assert rel_rms(mine, theirs) < 1e-5

@@ -1,8 +1,10 @@
-"""Triton kernels for the sparse methods' per-step metadata upkeep, both over the block the decoded token joined:
+"""Triton kernels for the sparse methods' per-step metadata upkeep, all over the block the decoded token joined:
 
 - ``quest_page_update``: Quest's page bounds, the element-wise min and max of the page's keys, in place;
 - ``pool_newest_block``: SeerAttention's pooled keys of the block (max, min, mean), which the gate's key projection
-  turns into that block's gate key.
+  turns into that block's gate key;
+- ``seer_gate_key_update``: that gate key itself, in place: the pooling, the projection and the write in one kernel,
+  where they were a pooling kernel, a GEMM and three small ops (the block's index and the scatter) per layer.
 
 One program per (row, kv head) reads the block's keys once. Written as tensor operations each update was about twenty
 small kernels per layer and decode step (the block's positions, their validity, masked reductions, zeros for a block
@@ -78,6 +80,36 @@ def _pool_newest_block_kernel(
     tl.store(out + 2 * D + d, mean, mask=d_ok)
 
 
+@triton.jit
+def _seer_gate_key_update_kernel(
+    keys_ptr, gate_keys_ptr, weight_ptr, write_pos_ptr, start_ptr, end_ptr,
+    stride_kb, stride_kh, stride_kn, stride_gb, stride_gh, stride_gn, stride_w, stride_start, stride_end,
+    Hkv, N, D, block_size, hidden,
+    BLOCK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    b, h, block, keys, count, high, low, d, d_ok = _newest_block_keys(
+        keys_ptr, write_pos_ptr, start_ptr, end_ptr, stride_kb, stride_kh, stride_kn, stride_start, stride_end,
+        Hkv, N, D, block_size, BLOCK_PAD, BLOCK_D)
+    mean = tl.sum(keys, 0) / tl.maximum(count, 1.0)
+    # the pooled keys in the gate's dtype, as the projection reads them; channels past D (max -inf, min +inf) are 0,
+    # since 0 weight times an infinity would be NaN
+    out_ty = gate_keys_ptr.dtype.element_ty
+    high = tl.where(d_ok, high, 0.0).to(out_ty).to(tl.float32)
+    low = tl.where(d_ok, low, 0.0).to(out_ty).to(tl.float32)
+    mean = mean.to(out_ty).to(tl.float32)
+    out = gate_keys_ptr + b * stride_gb + h * stride_gh + block * stride_gn
+    for j0 in range(0, hidden, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = j < hidden
+        w_ok = j_ok[:, None] & d_ok[None, :]
+        w_row = weight_ptr + j[:, None] * stride_w + d[None, :]
+        w_high = tl.load(w_row, mask=w_ok, other=0.0).to(tl.float32)
+        w_low = tl.load(w_row + D, mask=w_ok, other=0.0).to(tl.float32)
+        w_mean = tl.load(w_row + 2 * D, mask=w_ok, other=0.0).to(tl.float32)
+        gate_key = tl.sum(w_high * high[None, :] + w_low * low[None, :] + w_mean * mean[None, :], 1)
+        tl.store(out + j, gate_key.to(out_ty), mask=j_ok)
+
+
 def _tile_sizes(block_size: int, D: int) -> dict[str, int]:
     return dict(BLOCK_PAD=max(16, triton.next_power_of_2(block_size)), BLOCK_D=triton.next_power_of_2(D))
 
@@ -125,6 +157,31 @@ def pool_newest_block_triton(keys: torch.Tensor, write_pos: torch.Tensor, kv_sta
     return out
 
 
+def seer_gate_key_update_triton(keys: torch.Tensor, gate_keys: torch.Tensor, weight: torch.Tensor,
+                                write_pos: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                                block_size: int) -> None:
+    """The gate key of the block holding position ``write_pos - 1``, in place: the Triton path of
+    :func:`seer_gate_key_update`.
+
+    keys [B, Hkv, N, D], gate_keys [B, Hkv, NB, hidden], weight [hidden, 3D] (the gate's key projection, in the
+    gate keys' dtype), all with a contiguous last dim; write_pos [1] int, kv_start/kv_end [B] int (any stride).
+    """
+    B, Hkv, N, D = keys.shape
+    hidden = gate_keys.shape[-1]
+    if keys.stride(-1) != 1 or gate_keys.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("the keys, the gate keys and the projection need a contiguous last dimension")
+    if gate_keys.shape[:2] != (B, Hkv) or tuple(weight.shape) != (hidden, 3 * D):
+        raise ValueError(f"gate keys {tuple(gate_keys.shape)} and projection {tuple(weight.shape)} do not fit keys "
+                         f"{tuple(keys.shape)}")
+    kv_start, kv_end = bounds_as_read(kv_start), bounds_as_read(kv_end)
+    _seer_gate_key_update_kernel[(B * Hkv,)](
+        keys, gate_keys, weight, write_pos, kv_start, kv_end,
+        keys.stride(0), keys.stride(1), keys.stride(2), gate_keys.stride(0), gate_keys.stride(1),
+        gate_keys.stride(2), weight.stride(0), kv_start.stride(0), kv_end.stride(0), Hkv, N, D, block_size, hidden,
+        BLOCK_J=32, **_tile_sizes(block_size, D),
+    )
+
+
 def quest_page_update(keys, page_min, page_max, write_pos, kv_start, kv_end, page_size):
     """keys [B, Hkv, N, D], page_min/page_max [B, Hkv, P, D], write_pos [1], kv_start/kv_end [B] -> None: the min and
     max over the valid keys of the page holding position ``write_pos - 1`` written into that page of
@@ -137,3 +194,12 @@ def pool_newest_block(keys, write_pos, kv_start, kv_end, block_size):
     valid keys of the block of ``block_size`` positions holding position ``write_pos - 1`` (zeros where a row has
     none). Triton or ``reference.pool_newest_block_ref``."""
     return implementation("pool_newest_block", keys.device)(keys, write_pos, kv_start, kv_end, block_size)
+
+
+def seer_gate_key_update(keys, gate_keys, weight, write_pos, kv_start, kv_end, block_size):
+    """keys [B, Hkv, N, D], gate_keys [B, Hkv, NB, hidden], weight [hidden, 3D], write_pos [1], kv_start/kv_end [B]
+    -> None: the gate key ``weight . pooled`` of the block holding position ``write_pos - 1`` (``pooled``: its
+    :func:`pool_newest_block`, in the gate keys' dtype) written into that block of gate_keys. Triton or
+    ``reference.seer_gate_key_update_ref``."""
+    implementation("seer_gate_key_update", keys.device)(keys, gate_keys, weight, write_pos, kv_start, kv_end,
+                                                        block_size)

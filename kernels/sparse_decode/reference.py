@@ -90,15 +90,17 @@ def quest_page_scores_ref(
     return scores.masked_fill(padding_only[:, None, :], float("-inf"))
 
 
-def cluster_scores_ref(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int) -> torch.Tensor:
-    """``q . centroid`` maxed over the query heads of a GQA group.
+def cluster_scores_ref(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int,
+                       scale: float = 1.0) -> torch.Tensor:
+    """``scale * q . centroid`` maxed over the query heads of a GQA group (``scale`` > 0).
 
     q [B, Hq, D], centroids [B, Hkv, C, D] (C >= num_clusters) -> scores [B, Hkv, num_clusters] fp32.
     """
     B, Hq, D = q.shape
     Hkv = centroids.shape[1]
     queries = q.float().view(B, Hkv, Hq // Hkv, D)
-    return torch.einsum("bhgd,bhcd->bhgc", queries, centroids[:, :, :num_clusters].float()).amax(2)
+    scores = torch.einsum("bhgd,bhcd->bhgc", queries, centroids[:, :, :num_clusters].float()).amax(2)
+    return scores if scale == 1.0 else scores * scale
 
 
 def topk_indices_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -193,6 +195,19 @@ def pool_newest_block_ref(keys: torch.Tensor, write_pos: torch.Tensor, kv_start:
     """
     _, span, valid = _newest_block(keys, write_pos, kv_start, kv_end, block_size)
     return pool_blocks(span, valid, block_size)
+
+
+def seer_gate_key_update_ref(keys: torch.Tensor, gate_keys: torch.Tensor, weight: torch.Tensor,
+                             write_pos: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor,
+                             block_size: int) -> None:
+    """SeerAttention's gate key of the block holding position ``write_pos - 1``, in place: its
+    :func:`pool_newest_block_ref` in the gate keys' dtype, projected by ``weight``, written into that block.
+
+    keys [B, Hkv, N, D], gate_keys [B, Hkv, NB, hidden], weight [hidden, 3D], write_pos [1] long, kv_start/kv_end [B].
+    """
+    pooled = pool_newest_block_ref(keys, write_pos, kv_start, kv_end, block_size).to(gate_keys.dtype)
+    block = (write_pos.long() - 1) // block_size
+    gate_keys.index_copy_(2, block, torch.nn.functional.linear(pooled, weight))
 
 
 def fixed_bounds(kv_start: torch.Tensor, kv_end: torch.Tensor, clustered_upto: torch.Tensor, budget: int,

@@ -2,7 +2,8 @@
 
 - ``quest_page_scores``: Quest's upper bound ``sum_d max(q_d*max_d, q_d*min_d)`` per page from the page min/max
   metadata, written as ``relu(q) . max + min(q, 0) . min`` so that it runs as two tensor-core dots;
-- ``cluster_scores``: ``q . centroid`` per cluster (ClusterKV) or per pooled block key.
+- ``cluster_scores``: ``q . centroid`` per cluster (ClusterKV) or per block gate key (SeerAttention, with the gate's
+  ``1/sqrt(hidden)`` as ``scale``).
 
 Both reduce over the ``G`` query heads of a GQA group with a max (one selection per kv head), read the metadata
 once per group, and write fp32 scores. Semantics: ``reference.quest_page_scores_ref`` / ``cluster_scores_ref``.
@@ -23,7 +24,7 @@ def _group_scores_kernel(
     stride_ub, stride_uh, stride_up,
     stride_lb, stride_lh, stride_lp,
     stride_ob, stride_oh,
-    Hkv, D, num_blocks, block_size,
+    Hkv, D, num_blocks, block_size, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
     BOUNDS: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -57,7 +58,7 @@ def _group_scores_kernel(
             s = tl.dot(q.to(upper.dtype), tl.trans(upper), input_precision="ieee")
         else:
             s = tl.dot(q.to(upper.dtype), tl.trans(upper))
-    s = tl.where(g_ok[:, None], s, float("-inf"))
+    s = tl.where(g_ok[:, None], s * scale, float("-inf"))
     best = tl.max(s, 0)
     if BOUNDS:
         kv_start = tl.load(start_ptr + b)
@@ -65,7 +66,7 @@ def _group_scores_kernel(
     tl.store(out_ptr + b * stride_ob + hkv * stride_oh + p, best, mask=p_ok)
 
 
-def _launch(q, upper, lower, kv_start, num_blocks, block_size, bounds):
+def _launch(q, upper, lower, kv_start, num_blocks, block_size, bounds, scale=1.0):
     B, Hq, D = q.shape
     Hkv = upper.shape[1]
     if Hq % Hkv:
@@ -83,7 +84,7 @@ def _launch(q, upper, lower, kv_start, num_blocks, block_size, bounds):
         q, upper, lower, kv_start, out,
         q.stride(0), q.stride(1), upper.stride(0), upper.stride(1), upper.stride(2),
         lower.stride(0), lower.stride(1), lower.stride(2), out.stride(0), out.stride(1),
-        Hkv, D, num_blocks, block_size,
+        Hkv, D, num_blocks, block_size, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_P=block_p,
         BLOCK_D=triton.next_power_of_2(D), BOUNDS=bounds, IEEE=upper.dtype == torch.float32,
     )
@@ -103,13 +104,16 @@ def quest_page_scores_triton(
     return _launch(q, page_max, page_min, kv_start, num_pages, page_size, True)
 
 
-def cluster_scores_triton(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int) -> torch.Tensor:
-    """``q . centroid`` maxed over each GQA group: the Triton path of :func:`cluster_scores`.
+def cluster_scores_triton(q: torch.Tensor, centroids: torch.Tensor, num_clusters: int,
+                          scale: float = 1.0) -> torch.Tensor:
+    """``scale * q . centroid`` maxed over each GQA group: the Triton path of :func:`cluster_scores`.
 
     q [B, Hq, D], centroids [B, Hkv, C, D] (C >= num_clusters) -> scores [B, Hkv, num_clusters] fp32.
     """
-    dummy_start = torch.zeros(q.shape[0], device=q.device, dtype=torch.int32)
-    return _launch(q, centroids, centroids, dummy_start, num_clusters, 1, False)
+    if scale <= 0:
+        raise ValueError(f"scale must be positive (the max over a group is taken after it), got {scale}")
+    # without bounds the kernel reads no kv_start: q stands in for it, where a fresh tensor would cost a kernel
+    return _launch(q, centroids, centroids, q, num_clusters, 1, False, scale)
 
 
 def quest_page_scores(q, page_min, page_max, num_pages, kv_start, page_size):
@@ -118,6 +122,7 @@ def quest_page_scores(q, page_min, page_max, num_pages, kv_start, page_size):
     return implementation("quest_page_scores", q.device)(q, page_min, page_max, num_pages, kv_start, page_size)
 
 
-def cluster_scores(q, centroids, num_clusters):
-    """``q . centroid`` maxed over each GQA group: q [B, Hq, D], centroids [B, Hkv, C, D] -> [B, Hkv, num_clusters]."""
-    return implementation("cluster_scores", q.device)(q, centroids, num_clusters)
+def cluster_scores(q, centroids, num_clusters, scale=1.0):
+    """``scale * q . centroid`` maxed over each GQA group (``scale`` > 0): q [B, Hq, D], centroids [B, Hkv, C, D] ->
+    [B, Hkv, num_clusters] fp32."""
+    return implementation("cluster_scores", q.device)(q, centroids, num_clusters, scale)

@@ -32,6 +32,8 @@ from retrofit.kernels.sparse_decode import (
     quest_page_scores_ref,
     quest_page_update,
     quest_page_update_ref,
+    seer_gate_key_update,
+    seer_gate_key_update_ref,
     sparse_decode_attention,
     sparse_decode_attention_ref,
     topk_indices,
@@ -142,7 +144,12 @@ def test_cluster_scores_match_reference_fp32(num_clusters):
     centroids = torch.randn(2, 3, num_clusters + 3, 64, generator=gen)
     with nan_poisoned_allocations():
         scores = cluster_scores(q, centroids, num_clusters)
-    assert rel_rms(scores, cluster_scores_ref(q, centroids, num_clusters)) < FP32_TOL
+        scaled = cluster_scores(q, centroids, num_clusters, scale=0.125)
+    expected = cluster_scores_ref(q, centroids, num_clusters)
+    assert rel_rms(scores, expected) < FP32_TOL
+    # SeerAttention's gate scale, applied in the kernel: a power of two, so exactly the unscaled scores times it
+    assert torch.equal(scaled, scores * 0.125)
+    assert torch.equal(cluster_scores_ref(q, centroids, num_clusters, scale=0.125), expected * 0.125)
 
 
 TOPK_CASES = {"P1-k1": (1, 1), "P63-k5": (63, 5), "P75-k75": (75, 75), "P75-k16": (75, 16), "P8192-k128": (8192, 128)}
@@ -408,6 +415,53 @@ def test_pool_newest_block_bf16_gpu(case):
     D = keys.shape[-1]
     assert torch.equal(pooled[..., : 2 * D], expected[..., : 2 * D])  # bf16 values, exact in fp32
     assert rel_rms(pooled[..., 2 * D :], expected[..., 2 * D :]) < FP32_TOL  # fp32 sums of the same bf16 values
+
+
+def _gate_key_inputs(written, dtype=torch.float32, device="cpu"):
+    """The pool cases' keys [2, 3, 75, 48] and bounds, gate keys of 5 blocks (random: blocks the update must not
+    touch) and a key projection of hidden 40 (the kernel's chunks of 32 hidden units end in a partial one)."""
+    keys, _, _, write_pos, kv_start, kv_end = _quest_page_inputs(written, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(6)
+    gate_keys = torch.randn(2, 3, 5, 40, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(40, 3 * 48, generator=gen, device=device) / 12).to(dtype)
+    return keys, gate_keys, weight, write_pos, kv_start, kv_end
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES), ids=list(POOL_CASES))
+def test_seer_gate_key_update_matches_reference_fp32(case):
+    """The block of the newest token gets ``weight . pooled`` within FP32_TOL (another summation order over the 144
+    pooled channels); every other block stays bit for bit; a row whose block holds no valid key gets the projection
+    of zeros, i.e. zeros (row 1 of the padding-only case)."""
+    written, block_size = POOL_CASES[case]
+    keys, gate_keys, weight, write_pos, kv_start, kv_end = _gate_key_inputs(written)
+    expected = gate_keys.clone()
+    seer_gate_key_update_ref(keys, expected, weight, write_pos, kv_start, kv_end, block_size)
+    before = gate_keys.clone()
+    seer_gate_key_update(keys, gate_keys, weight, write_pos, kv_start, kv_end, block_size)
+    block = (written - 1) // block_size
+    others = [n for n in range(gate_keys.shape[2]) if n != block]
+    assert torch.equal(gate_keys[:, :, others], before[:, :, others])
+    assert not torch.equal(expected[:, :, block], before[:, :, block])
+    assert rel_rms(gate_keys[:, :, block], expected[:, :, block]) < FP32_TOL
+    pooled = pool_newest_block_ref(keys, write_pos, kv_start, kv_end, block_size)
+    assert torch.allclose(gate_keys[:, :, block], pooled[:, :, 0] @ weight.T, atol=1e-5)
+    if case == "T40-padding-only":
+        assert (gate_keys[1, :, block] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(POOL_CASES), ids=list(POOL_CASES))
+def test_seer_gate_key_update_bf16_gpu(case):
+    written, block_size = POOL_CASES[case]
+    keys, gate_keys, weight, write_pos, kv_start, kv_end = _gate_key_inputs(written, torch.bfloat16, "cuda")
+    expected = gate_keys.clone()
+    seer_gate_key_update_ref(keys, expected, weight, write_pos, kv_start, kv_end, block_size)
+    seer_gate_key_update(keys, gate_keys, weight, write_pos, kv_start, kv_end, block_size)
+    # both project the same bf16 pooled values with fp32 sums and round to bf16 once: a rounding step apart at most
+    assert rel_rms(gate_keys, expected) < BF16_TOL
+    block = (written - 1) // block_size
+    others = [n for n in range(gate_keys.shape[2]) if n != block]
+    assert torch.equal(gate_keys[:, :, others], expected[:, :, others])
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from torch import nn
 
 from retrofit.atomic import torch_load, torch_save
 from retrofit.errors import RetrofitError
-from retrofit.kernels.sparse_decode import cluster_scores, pool_blocks, pool_newest_block
+from retrofit.kernels.sparse_decode import cluster_scores, pool_blocks, seer_gate_key_update
 from retrofit.sparse.contract import Selection, SparseMethod, require
 from retrofit.sparse.registry import register
 from retrofit.sparse.methods.common import best_blocks, blocks_written, full_counts, grown
@@ -40,9 +40,17 @@ class SeerGate(nn.Module):
         self.q_proj = nn.Linear(self.group * head_dim, hidden, bias=False)
         self.k_proj = nn.Linear(3 * head_dim, hidden, bias=False)
 
-    def query(self, q: torch.Tensor) -> torch.Tensor:
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.hidden)
+
+    def projected_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hkv, hidden] before the gate's scale (the decode step's scoring kernel applies it)."""
         B, _, D = q.shape
-        return self.q_proj(q.reshape(B, self.num_kv_heads, self.group * D)) / math.sqrt(self.hidden)
+        return self.q_proj(q.reshape(B, self.num_kv_heads, self.group * D))
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        return self.projected_query(q) / math.sqrt(self.hidden)
 
     def block_keys(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.k_proj(pooled)
@@ -137,8 +145,9 @@ class SeerAttention(SparseMethod):
             if (H, D) != (config["num_kv_heads"], config["head_dim"]):
                 raise RetrofitError(f"seer gate file {self.gate_path!r} was trained for {config['num_kv_heads']} kv "
                                     f"heads of dim {config['head_dim']}, the model has {H} of dim {D}")
-            self._placed[key] = SeerGates(**config).to(device=like.device, dtype=like.dtype).eval()
-            self._placed[key].load_state_dict(self._gates.state_dict())
+            placed = SeerGates(**config).to(device=like.device, dtype=like.dtype).eval().requires_grad_(False)
+            placed.load_state_dict(self._gates.state_dict())
+            self._placed[key] = placed
         return self._placed[key][layer.layer_idx]
 
     def keeps_dense(self, layer) -> bool:
@@ -165,11 +174,8 @@ class SeerAttention(SparseMethod):
         gate = self._gate(layer, layer.keys)
         if gate is None:
             return
-        gate_keys = self._gate_keys(layer, gate)
-        block = (layer.write_pos - 1) // self.block_size  # [1]
-        pooled = pool_newest_block(layer.keys, layer.write_pos, layer.kv_start, layer.kv_end, self.block_size)
-        with torch.no_grad():
-            gate_keys.index_copy_(2, block, gate.block_keys(pooled.to(layer.keys.dtype)))
+        seer_gate_key_update(layer.keys, self._gate_keys(layer, gate), gate.k_proj.weight, layer.write_pos,
+                             layer.kv_start, layer.kv_end, self.block_size)
 
     def select(self, layer, query: torch.Tensor) -> Selection | None:
         gate = self._gate(layer, query)
@@ -178,7 +184,7 @@ class SeerAttention(SparseMethod):
         gate_keys = layer.meta["gate_keys"]
         blocks = -(-layer.capacity // self.block_size)
         with torch.no_grad():
-            gate_query = gate.query(query).contiguous()
-        scores = cluster_scores(gate_query, gate_keys, blocks)
+            gate_query = gate.projected_query(query).contiguous()
+        scores = cluster_scores(gate_query, gate_keys, blocks, scale=gate.scale)
         top = best_blocks(layer, scores, min(self.budget // self.block_size, blocks), self.block_size)
         return Selection(top, full_counts(layer, top), self.block_size)
