@@ -172,3 +172,29 @@ def test_the_kernel_path_of_a_seer_step_matches_its_pytorch_path(model):
     assert steps == kernel_steps == [5] * len(steps)  # every step selected, on both paths
     for mine, theirs in zip(kernel_keys, keys, strict=True):
         assert rel_rms(mine, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("prefill_chunk", [32, 4096], ids=["prompt-in-3-chunks", "prompt-in-one-chunk"])
+def test_clusterkv_static_buffers_hold_the_scheduled_clusters_of_the_whole_prompt(model, prefill_chunk):
+    """A static cache holds ClusterKV's prompt clusters plus ``new_clusters`` per ``recluster_every`` tokens left
+    after the whole prompt, whatever the prefill's chunks: each step scores and ranks every slot, so slots sized from
+    the first chunk's end (8 + 2 x 64 // 12 = 10 more here; ~3,100 more for 127K in chunks of 4K) are paid every
+    token. The slots the schedule fills, and no more."""
+    ids, mask = _prompt()
+    settings = dict(n_clusters=8, iterations=3, recluster_every=12, new_clusters=2, n_sink=4)
+    with torch.no_grad(), sparse_decoding(model, method="clusterkv", budget=32, **settings):
+        generation = StaticGeneration(model, ids, mask, 40, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      prefill_chunk=prefill_chunk)
+        with generation.installed():
+            generation.prefill()
+            for _ in range(39):
+                generation.step()
+                generation.after_step()
+        layers = generation.cache.layers
+    capacity = layers[0].capacity
+    slots = 8 + 2 * ((capacity - PROMPT_LENGTH) // 12)
+    for layer in layers:
+        assert layer.meta["sizes"].shape[2] == layer.meta["centroids"].shape[2] == slots
+        # the prompt's 8 clusters and one batch of 2 per 12 tokens decoded so far (39 steps: 3 batches)
+        assert layer.meta["num_clusters"] == 8 + 2 * 3
+        assert int((layer.meta["sizes"] > 0).any(dim=(0, 1)).sum()) <= 8 + 2 * 3

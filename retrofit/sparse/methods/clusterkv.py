@@ -105,13 +105,19 @@ class ClusterKV(SparseMethod):
         meta["clustered_upto"].fill_(hi)
 
     def _scheduled_clusters(self, layer, prompt: int) -> int:
-        """Clusters a static cache will hold: the prefill's plus ``new_clusters`` per ``recluster_every`` tokens."""
+        """Clusters a static cache will hold: the prompt's plus ``new_clusters`` per ``recluster_every`` tokens."""
         return self.n_clusters + self.new_clusters * (max(0, layer.capacity - prompt) // self.recluster_every)
+
+    def _reserve_clusters(self, layer, clusters: int) -> None:
+        """Exactly ``clusters`` empty cluster slots (centroids and sizes), before any cluster exists."""
+        B, H, _, D = layer.keys.shape
+        layer.meta["centroids"] = torch.zeros(B, H, clusters, D, dtype=layer.keys.dtype, device=layer.keys.device)
+        layer.meta["sizes"] = torch.zeros(B, H, clusters, dtype=torch.int32, device=layer.keys.device)
 
     def prepare(self, layer, start: int, end: int) -> None:
         if "num_clusters" in layer.meta:  # a later prefill chunk: clustered when decoding starts
             return
-        self._buffers(layer, self._scheduled_clusters(layer, end) if layer.static else self.n_clusters)
+        self._buffers(layer, self.n_clusters)
 
     def prepare_step(self, layer) -> None:
         """Nothing per token: a new key stays unclustered (``assign`` -1, read exactly) until its batch is
@@ -124,6 +130,11 @@ class ClusterKV(SparseMethod):
         tokens the keys not clustered yet, into ``new_clusters`` clusters (host-side, between steps)."""
         meta = layer.meta
         if "num_clusters" not in meta:
+            if layer.static:
+                # every slot the generation will fill, sized from the whole prompt (a prefill chunk knows only its
+                # own end: sized there, a 127K prompt in chunks of 4K got ~3,500 slots for ~400 clusters, and each
+                # step scored and ranked them all)
+                self._reserve_clusters(layer, self._scheduled_clusters(layer, written))
             self._cluster(layer, 0, written, self.n_clusters)
         elif written - meta["clustered_upto_host"] >= self.recluster_every:
             self._cluster(layer, meta["clustered_upto_host"], written, self.new_clusters)
