@@ -216,17 +216,58 @@ def test_streaming_layers_keep_their_attention_and_get_the_fused_norms(tiny, cal
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
 
 
-def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls):
-    """Layer 1 converted to Gated DeltaNet: its recurrent layer runs as before inside the fused layer (norms and MLP
-    fused), layer 0 keeps the fused rotation and cache write; the tokens are those of the unfused engine."""
+def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls, kind="gdn"):
+    """Layer 1 converted to Gated DeltaNet: its recurrent layer runs inside the fused layer (norms and MLP fused) with
+    the projections of its input (q, k, v, b, a, g) as one GEMM over one buffer that now holds their weights and
+    biases (zeros where a module has no bias), layer 0 keeps the fused rotation and cache write; the tokens are those
+    of the unfused engine. (KDA's merge: the next test; its prefill under the interpreter takes minutes.)"""
     from retrofit.convert.build import to_hybrid
     from retrofit.hybrid import HybridSection
 
-    hybrid = to_hybrid(tiny, HybridSection(layers=[1], layer_type="gdn", base_model_type="llama"))
+    hybrid = to_hybrid(tiny, HybridSection(layers=[1], layer_type=kind, base_model_type="llama"))
+    converted = hybrid.model.layers[1].self_attn
+    before = {name: parameter.detach().clone() for name, parameter in converted.named_parameters()}
     fused = _decode(hybrid)
     assert calls["rotary"] == NEW_TOKENS - 1 and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
     unfused = _decode(hybrid, fuse_layers=False)
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
+    inputs = converted.input_projections()
+    storages = {module.weight.untyped_storage().data_ptr() for module in inputs}
+    assert len(storages) == 1  # the weights moved into one buffer, as row blocks
+    assert all(torch.equal(parameter, before[name]) for name, parameter in converted.named_parameters())
+    gemms = {fuse: _gemms_in_a_decode_step(hybrid, fuse) for fuse in (True, False)}
+    # unfused: layer 0's 7; layer 1's projections of its input (GDN: q, k, v, b, a, g; KDA: q, k, v, b, f_a, g_a),
+    # KDA's two low-rank up-projections, o, and the MLP's 3; the LM head. Fused: layer 0's 5; layer 1's inputs as 1
+    low_rank = 2 if kind == "kda" else 0
+    assert gemms == {False: 7 + (6 + low_rank + 1 + 3) + 1, True: 5 + (1 + low_rank + 1 + 3) + 1}
+
+
+def test_a_kda_layers_input_projections_run_as_one_gemm_with_its_own_output():
+    """KDA's q, k, v, b, f_a and g_a (only b has a bias) as one merged projection: served to the layer, its output is
+    the layer's own within fp32 summation order (1e-5 of its scale: the merged GEMM sums the same products), the
+    weights and biases now live in one buffer each, their values unchanged."""
+    from retrofit.generation.fused_layers import MergedProjection
+    from retrofit.layers import AttentionShape, KimiDeltaAttention
+
+    torch.manual_seed(0)
+    shape = AttentionShape(hidden_size=72, num_heads=9, num_kv_heads=3, head_dim=16, bias=False)
+    layer = KimiDeltaAttention(shape, layer_idx=0).eval()
+    with torch.no_grad():
+        for module in (layer.f_b_proj, layer.g_b_proj, layer.b_proj):  # spread in the gates (they start constant)
+            module.weight.normal_(0, 0.1)
+    x = torch.randn(2, 1, 72)
+    with torch.no_grad():
+        own = layer(x)[0]
+        merged = MergedProjection.of(layer.input_projections())
+        assert merged is not None and merged.sizes == (144, 48, 48, 3, 16, 16)
+        with merged.served(layer.input_projections(), x):
+            served = layer(x)[0]
+    assert rel_rms(served, own) < 1e-5
+    modules = layer.input_projections()
+    assert len({module.weight.untyped_storage().data_ptr() for module in modules}) == 1
+    assert torch.equal(merged.bias[144 + 48 + 48: 144 + 48 + 48 + 3], layer.b_proj.bias)
+    assert layer.b_proj.bias.untyped_storage().data_ptr() == merged.bias.untyped_storage().data_ptr()
+    assert not merged.bias[:240].any() and not merged.bias[243:].any()  # zeros for the modules without a bias
 
 
 def _storage_bytes(model) -> int:

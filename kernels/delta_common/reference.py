@@ -177,3 +177,47 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+
+
+def l2_normalize_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x ``[..., K]`` -> x / ||x|| over the last dim, the norm in fp32, the result in x's dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def log_decay_ref(logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, per_key_decay: bool,
+                  lower_bound: float | None = None) -> torch.Tensor:
+    """The log decay of GDN and KDA, ``g = -exp(A_log) * softplus(logits + dt_bias)`` in fp32 (<= 0), clamped from
+    below at ``lower_bound`` when given (KDA).
+
+    GDN: logits [..., H], A_log [H], dt_bias [H] -> g [..., H]. KDA (``per_key_decay``): logits [..., H, K],
+    A_log [H], dt_bias [H * K] -> g [..., H, K].
+    """
+    H = A_log.shape[0]
+    bias = dt_bias.float().view(H, -1) if per_key_decay else dt_bias.float()
+    rate = A_log.float().exp()
+    g = -(rate[:, None] if per_key_decay else rate) * torch.nn.functional.softplus(logits.float() + bias)
+    return g if lower_bound is None else g.clamp(min=lower_bound)
+
+
+def delta_rule_decode_step_ref(qkv: torch.Tensor, decay_logits: torch.Tensor, beta_logits: torch.Tensor,
+                               A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, num_heads: int,
+                               per_key_decay: bool, lower_bound: float | None = None,
+                               scale: float | None = None) -> torch.Tensor:
+    """One decode token of a GDN or KDA layer after its short conv, the state updated in place.
+
+    qkv [B, (Hq + 2 H) D] (the conv's output: queries, keys, values), decay_logits [B, H] (GDN) or [B, H * D] (KDA),
+    beta_logits [B, H], A_log [H], dt_bias [H] or [H * D], state [B, H, D, D] float32 -> o [B, Hq, D] in qkv's dtype:
+    q and k L2-normalised (:func:`l2_normalize_ref`), ``beta = sigmoid(beta_logits)``, ``g`` by
+    :func:`log_decay_ref`, then one step of the recurrence (:func:`recurrent_delta_rule_torch`).
+    """
+    B = qkv.shape[0]
+    H, D = state.shape[1], state.shape[2]
+    q, k, v = qkv.view(B, 1, -1).split([num_heads * D, H * D, H * D], dim=-1)
+    q, k = l2_normalize_ref(q.reshape(B, 1, num_heads, D)), l2_normalize_ref(k.reshape(B, 1, H, D))
+    logits = decay_logits.view(B, 1, H, D) if per_key_decay else decay_logits.view(B, 1, H)
+    g = log_decay_ref(logits, A_log, dt_bias, per_key_decay, lower_bound)
+    beta = torch.sigmoid(beta_logits.float()).view(B, 1, H)
+    o, _ = recurrent_delta_rule_torch(q, k, v.reshape(B, 1, H, D), g, beta, scale, state, inplace_state=True,
+                                      per_key_decay=per_key_decay)
+    return o[:, 0]

@@ -24,3 +24,19 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     ``summed = residual + x`` (x's dtype) and ``normed = rms_norm_ref(summed, weight, eps)``."""
     summed = residual + x
     return rms_norm_ref(summed, weight, eps), summed
+
+
+def gated_rms_norm_ref(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The delta-rule layers' output norm: o [..., H, D], gate [..., H, D] (already activated), weight [H, D] ->
+    ``weight * o / rms(o) * gate`` over each head's D channels, in fp32, cast to o's dtype."""
+    dtype = o.dtype
+    o32 = o.float()
+    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
+    return (o32 * weight.float() * gate.float()).to(dtype)
+
+
+def sigmoid_gated_rms_norm_ref(o: torch.Tensor, gate_logits: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> torch.Tensor:
+    """:func:`gated_rms_norm_ref` with the gate ``sigmoid(gate_logits)`` (taken in gate_logits' dtype, as the
+    layers' ``torch.sigmoid`` of a projection does): o, gate_logits [..., H, D], weight [H, D] -> [..., H, D]."""
+    return gated_rms_norm_ref(o, torch.sigmoid(gate_logits), weight, eps)

@@ -136,6 +136,22 @@ def rows_of_one_buffer(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     return buffer
 
 
+def _bias_with_zeros(biases: list[torch.nn.Parameter | None], sizes: tuple[int, ...], like: torch.Tensor
+                     ) -> torch.Tensor:
+    """One bias ``[sum of sizes]`` for a merged projection whose modules have a bias or not: zeros where one has none,
+    the others moved in as :func:`rows_of_one_buffer` moves them (each Parameter's data becomes its view)."""
+    buffer = torch.zeros(sum(sizes), dtype=like.dtype, device=like.device)
+    row = 0
+    with torch.no_grad():
+        for bias, size in zip(biases, sizes):
+            if bias is not None:
+                block = buffer[row: row + size]
+                block.copy_(bias)
+                bias.data = block
+            row += size
+    return buffer
+
+
 @dataclass(frozen=True)
 class MergedProjection:
     """Several ``nn.Linear`` on the same input as one GEMM over their weights' rows in one buffer
@@ -152,10 +168,14 @@ class MergedProjection:
         weights, biases = [module.weight for module in modules], [module.bias for module in modules]
         if len({(weight.dtype, weight.device, weight.shape[1]) for weight in weights}) != 1:
             return None
-        if any(bias is None for bias in biases) and not all(bias is None for bias in biases):
-            return None
-        bias = None if biases[0] is None else rows_of_one_buffer(biases)
-        return cls(rows_of_one_buffer(weights).t(), bias, tuple(weight.shape[0] for weight in weights))
+        sizes = tuple(weight.shape[0] for weight in weights)
+        if all(bias is None for bias in biases):
+            bias = None
+        elif all(bias is not None for bias in biases):
+            bias = rows_of_one_buffer(biases)
+        else:
+            bias = _bias_with_zeros(biases, sizes, weights[0])
+        return cls(rows_of_one_buffer(weights).t(), bias, sizes)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, in] -> ([B, out_0], [B, out_1], ...), views of one [B, sum of out] product."""
@@ -233,6 +253,11 @@ class FusedDecoderLayer:
         self.gate, self.up, self.down = gate, up, down
         self.attention = attention
         self.original = layer.forward
+        # an attention module of another kind that names the projections of its input (a converted layer: q, k, v
+        # and its gates' first projections) runs them as one GEMM
+        self.input_modules = tuple(layer.self_attn.input_projections()) if (
+            attention is None and hasattr(layer.self_attn, "input_projections")) else ()
+        self.inputs = MergedProjection.of(self.input_modules) if self.input_modules else None
 
     @classmethod
     def of(cls, layer: torch.nn.Module, fusion: "DecodeFusion") -> "FusedDecoderLayer | None":
@@ -281,10 +306,13 @@ class FusedDecoderLayer:
 
     def _own_attention(self, normed: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """normed [B, 1, H] -> the layer's own attention module's output [B, 1, H]: StreamingLLM's attention (its
-        q, k and v served from one GEMM), a converted layer's recurrence."""
+        q, k and v served from one GEMM), a converted layer's recurrence (its input projections served from one)."""
         attn = self.layer.self_attn
         if self.attention is None:
-            return attn(hidden_states=normed, **kwargs)[0]
+            if self.inputs is None:
+                return attn(hidden_states=normed, **kwargs)[0]
+            with self.inputs.served(self.input_modules, normed):
+                return attn(hidden_states=normed, **kwargs)[0]
         with self.attention.qkv.served([attn.q_proj, attn.k_proj, attn.v_proj], normed):
             return attn(hidden_states=normed, **kwargs)[0]
 

@@ -6,8 +6,9 @@ Attention (``kda``).
 then one small file per layer type. To add a layer type:
 
 1. Write ``retrofit/layers/<name>.py``: a :class:`DeltaRuleAttention` subclass naming its ``chunk_op`` (prefill,
-   training) and ``recurrent_op`` (decode) from ``retrofit.kernels`` and defining its gates and their
-   initialisation (``_build_gates``, ``reset_gates``, ``decay``, ``output_gate``). A layer of another family needs
+   training) and ``recurrent_op`` (decode) from ``retrofit.kernels``, whether its decay is per key channel
+   (``per_key_decay``), and defining its gates and their initialisation (``_build_gates``, ``reset_gates``,
+   ``decay_logits``, ``output_gate_logits``, ``gate_input_projections``). A layer of another family needs
    only the same forward signature and cache contract (``state.py``).
 2. Register it below: ``LAYER_TYPES.register("<name>")(<Name>Attention)``. `retrofit convert --to <name>`, the hybrid
    checkpoint (``retrofit.hybrid``) and the tests parametrised over ``LAYER_TYPES`` pick it up from there.

@@ -1,8 +1,10 @@
 """The delta-rule family of converted layers (Gated DeltaNet, KDA): one forward, the gates left to each layer type.
 
 Per token: q, k, v projections -> short causal conv (SiLU) -> L2-normalised q, k -> gated delta rule with
-``beta = sigmoid(W_b x)`` and a layer-specific log decay ``g = decay(x)`` -> per-head RMSNorm gated by
-``output_gate(x)`` -> W_o. GQA keeps one state per key-value head; the query heads of a group read it.
+``beta = sigmoid(W_b x)`` and the log decay ``g = -exp(A_log) * softplus(decay_logits(x) + dt_bias)`` (per kv head,
+or per key channel) -> per-head RMSNorm gated by ``sigmoid(output_gate_logits(x))`` -> W_o. GQA keeps one state per
+key-value head; the query heads of a group read it. A decode token with its states in the cache runs the steps
+after the conv as one kernel (``delta_rule_decode_step``) and the gated norm as another.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn as nn
 
-from retrofit.kernels import causal_conv1d_update
+from retrofit.kernels import causal_conv1d_update, delta_rule_decode_step, log_decay_ref, sigmoid_gated_rms_norm
 from retrofit.layers.modules import GatedRMSNorm, ShortConvolution, l2_normalize, rotate
 from retrofit.layers.spec import AttentionShape, LinearAttentionSpec
 from retrofit.layers.state import cache_states, padding_mask, store_states
@@ -25,13 +27,15 @@ class DeltaRuleAttention(nn.Module):
     both live in the transformers ``Cache`` passed as ``cache`` / ``past_key_values``.
 
     A layer type sets ``layer_kind``, its two ops (``chunk_op`` for prefill and training, ``recurrent_op`` for
-    single-token decode; ``retrofit.kernels`` runs each on Triton or its PyTorch path) and implements
-    ``_build_gates``, ``reset_gates``, ``decay`` and ``output_gate``.
+    single-token decode; ``retrofit.kernels`` runs each on Triton or its PyTorch path) and ``per_key_decay``, and
+    implements ``_build_gates`` (``A_log`` [H_kv] and ``dt_bias`` [H_kv] or [H_kv * head_dim] among them),
+    ``reset_gates``, ``decay_logits``, ``output_gate_logits`` and ``gate_input_projections``.
     """
 
     layer_kind: ClassVar[str] = ""
     chunk_op: ClassVar[Callable]
     recurrent_op: ClassVar[Callable]
+    per_key_decay: ClassVar[bool] = False
 
     def __init__(self, shape: AttentionShape, layer_idx: int, spec: LinearAttentionSpec | None = None):
         super().__init__()
@@ -72,13 +76,41 @@ class DeltaRuleAttention(nn.Module):
         """Initialise the gates (``b_proj`` included) so that the layer starts as a slow-decay, open-gate recurrence."""
         raise NotImplementedError
 
+    def decay_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> the decay's input before ``dt_bias`` and the softplus: ``[B, T, H_kv]``, or
+        ``[B, T, H_kv * head_dim]`` with ``per_key_decay``."""
+        raise NotImplementedError
+
+    def output_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> the output gate before its sigmoid, ``[B, T, H_q * head_dim]``."""
+        raise NotImplementedError
+
+    @property
+    def decay_lower_bound(self) -> float | None:
+        """The floor of the log decay, or None (no floor)."""
+        return None
+
+    def gate_input_projections(self) -> list[nn.Linear]:
+        """The gates' projections that read the layer's input ``x`` (beyond ``b_proj``), in a fixed order."""
+        raise NotImplementedError
+
+    def input_projections(self) -> list[nn.Linear]:
+        """Every projection of the layer's input ``x``: q, k, v, b and the gates' (a decode engine may run them as
+        one GEMM over their weights' rows in one buffer)."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_input_projections()]
+
+    # ----- the gates, from the logits -----
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, T, hidden]`` -> log decay g (fp32, <= 0): ``[B, T, H_kv]`` or per channel ``[B, T, H_kv, head_dim]``."""
-        raise NotImplementedError
+        logits = self.decay_logits(x)
+        if self.per_key_decay:
+            logits = logits.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return log_decay_ref(logits, self.A_log, self.dt_bias, self.per_key_decay, self.decay_lower_bound)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, T, hidden]`` -> gate ``[B, T, H_q, head_dim]`` in (0, 1)."""
-        raise NotImplementedError
+        B, T, _ = x.shape
+        return torch.sigmoid(self.output_gate_logits(x)).view(B, T, self.num_heads, self.head_dim)
 
     # ----- forward -----
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -105,6 +137,8 @@ class DeltaRuleAttention(nn.Module):
             qkv = qkv * keep[..., None].to(qkv.dtype)
         if in_place:
             qkv = self.conv_step_in_place(qkv, conv_state)
+            if not self.spec.use_rope:
+                return self._decode_after_conv(x, qkv, recurrent_state), None
         else:
             qkv, conv_state = self.conv(qkv, conv_state, decode=decode)
         if keep is not None:
@@ -129,6 +163,19 @@ class DeltaRuleAttention(nn.Module):
                 store_states(cache, self.layer_idx, conv_state, recurrent_state)
         o = self.o_norm(o, self.output_gate(x))
         return self.o_proj(o.reshape(B, T, hq * d)), None
+
+    def _decode_after_conv(self, x: torch.Tensor, qkv: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+        """A decode token after its conv: x ``[B, 1, hidden]``, qkv ``[B, 1, (H_q + 2 H_kv) head_dim]`` ->
+        ``[B, 1, hidden]``, the cache's ``recurrent_state [B, H_kv, head_dim, head_dim]`` updated in place. The same
+        math as the general path (norms, gates, recurrence, gated norm) in two kernels where that path runs about
+        thirty."""
+        B = x.shape[0]
+        hq, d = self.num_heads, self.head_dim
+        o = delta_rule_decode_step(qkv[:, 0], self.decay_logits(x)[:, 0], self.b_proj(x)[:, 0], self.A_log,
+                                   self.dt_bias, recurrent_state, hq, self.per_key_decay, self.decay_lower_bound)
+        gate_logits = self.output_gate_logits(x).view(B, hq, d)
+        o = sigmoid_gated_rms_norm(o, gate_logits, self.o_norm.weight, self.o_norm.eps)
+        return self.o_proj(o.reshape(B, 1, hq * d))
 
     def conv_step_in_place(self, qkv: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """The short conv of one decode token ``qkv [B, 1, D]``, rolling the cache's ``conv_state [B, D, W-1]`` in

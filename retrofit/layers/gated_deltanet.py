@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from retrofit.kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from retrofit.layers.delta_rule import DeltaRuleAttention
@@ -38,12 +37,13 @@ class GatedDeltaNetAttention(DeltaRuleAttention):
             self.g_proj.weight.zero_()
             self.g_proj.bias.fill_(logit(self.spec.gate_init))
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[B, T, hidden]`` -> log decay g ``[B, T, H_kv]`` (fp32, <= 0)."""
-        a = self.a_proj(x).float() + self.dt_bias.float()
-        return -self.A_log.float().exp() * F.softplus(a)
+    def gate_input_projections(self) -> list[nn.Linear]:
+        return [self.a_proj, self.g_proj]
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[B, T, hidden]`` -> gate ``[B, T, H_q, head_dim]`` in (0, 1)."""
-        B, T, _ = x.shape
-        return torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim)
+    def decay_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> ``W_a x`` ``[B, T, H_kv]``: g = -exp(A_log) * softplus(W_a x + dt_bias)."""
+        return self.a_proj(x)
+
+    def output_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> ``W_g x`` ``[B, T, H_q * head_dim]`` (the gate is its sigmoid)."""
+        return self.g_proj(x)

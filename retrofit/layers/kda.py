@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from retrofit.kernels import chunk_kda, fused_recurrent_kda
 from retrofit.layers.delta_rule import DeltaRuleAttention
@@ -22,6 +21,7 @@ class KimiDeltaAttention(DeltaRuleAttention):
     layer_kind = "kda"
     chunk_op = staticmethod(chunk_kda)
     recurrent_op = staticmethod(fused_recurrent_kda)
+    per_key_decay = True
 
     def _build_gates(self) -> None:
         hidden, hq, hk, d = self.shape.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
@@ -48,15 +48,18 @@ class KimiDeltaAttention(DeltaRuleAttention):
             self.g_b_proj.bias.fill_(logit(self.spec.gate_init))
             init_decay(self.A_log, self.dt_bias, self.spec, repeat=self.num_kv_heads // self.shape.num_kv_heads)
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[B, T, hidden]`` -> per-channel log decay ``[B, T, H_kv, head_dim]`` (fp32, in [lower bound, 0])."""
-        B, T, _ = x.shape
-        a = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, self.num_kv_heads, self.head_dim)
-        a = a + self.dt_bias.float().view(self.num_kv_heads, self.head_dim)
-        g = -self.A_log.float().exp()[:, None] * F.softplus(a)
-        return g.clamp(min=self.spec.gate_lower_bound)
+    @property
+    def decay_lower_bound(self) -> float:
+        return self.spec.gate_lower_bound
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[B, T, hidden]`` -> sigmoid low-rank gate ``[B, T, H_q, head_dim]``."""
-        B, T, _ = x.shape
-        return torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(B, T, self.num_heads, self.head_dim)
+    def gate_input_projections(self) -> list[nn.Linear]:
+        return [self.f_a_proj, self.g_a_proj]
+
+    def decay_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> ``W_up W_down x`` ``[B, T, H_kv * head_dim]``: per channel
+        g = -exp(A_log) * softplus(W_up W_down x + dt_bias), clamped from below."""
+        return self.f_b_proj(self.f_a_proj(x))
+
+    def output_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, hidden]`` -> the low-rank ``[B, T, H_q * head_dim]`` (the gate is its sigmoid)."""
+        return self.g_b_proj(self.g_a_proj(x))

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from retrofit.kernels import causal_conv1d, causal_conv1d_update
+from retrofit.kernels import causal_conv1d, causal_conv1d_update, gated_rms_norm_ref, l2_normalize_ref
 from retrofit.layers.spec import LinearAttentionSpec
 
 
@@ -80,15 +80,12 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o ``[B, T, H, D]``, gate ``[B, T, H, D]`` (already through its activation) -> ``[B, T, H, D]``."""
-        dtype = o.dtype
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (of * self.weight.float() * gate.float()).to(dtype)
+        return gated_rms_norm_ref(o, gate, self.weight, self.eps)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x ``[..., K]`` -> x / ||x||, in fp32 for the norm."""
-    return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    """x ``[..., K]`` -> x / ||x||, in fp32 for the norm (the decode kernel's math: ``l2_normalize_ref``)."""
+    return l2_normalize_ref(x, eps)
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
