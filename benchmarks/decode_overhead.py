@@ -80,6 +80,9 @@ def opened(model, variant):
         yield model
     elif isinstance(variant, str):
         with parse_variant_spec(variant).open(model, None) as hybrid:
+            # the hybrid is a model built from the config, whose generation config names an end token again: a
+            # transformers generation that drew it would stop early and count as fewer steps
+            hybrid.generation_config.eos_token_id = None
             yield hybrid
     else:
         method, params = variant

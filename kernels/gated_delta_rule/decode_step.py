@@ -19,10 +19,9 @@ from .fused_recurrent import _launch_config
 
 
 @triton.jit
-def _l2_normalized(x, dtype: tl.constexpr):
-    """x fp32 -> x / ||x|| rounded to ``dtype`` (as the PyTorch path stores it), back in fp32 (eps: that of
-    ``l2_normalize_ref``)."""
-    return (x * tl.math.rsqrt(tl.sum(x * x, axis=0) + 1e-6)).to(dtype).to(tl.float32)
+def _l2_normalized(x):
+    """x fp32 -> x / ||x|| in fp32 (eps: that of ``l2_normalize_ref``)."""
+    return x * tl.math.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
 
 
 @triton.jit
@@ -46,7 +45,9 @@ def _decode_step_kernel(
     mask_state = mask_k[:, None] & mask_v[None, :]
     row = qkv + i_b * stride_qkv
 
-    b_k = _l2_normalized(tl.load(row + (HQ + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32), dtype)
+    # q and k rounded to the input's dtype after their norms, as the PyTorch path stores them
+    b_k = _l2_normalized(tl.load(row + (HQ + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32))
+    b_k = b_k.to(dtype).to(tl.float32)
     b_v = tl.load(row + (HQ + H + i_h) * K + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     b_beta = tl.sigmoid(tl.load(beta_logits + i_b * stride_beta + i_h).to(tl.float32))
     rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -69,7 +70,8 @@ def _decode_step_kernel(
     b_state = b_state + b_k[:, None] * delta[None, :]
     for j in tl.static_range(GROUP):
         head = i_h * GROUP + j
-        b_q = _l2_normalized(tl.load(row + head * K + offs_k, mask=mask_k, other=0.0).to(tl.float32), dtype)
+        b_q = _l2_normalized(tl.load(row + head * K + offs_k, mask=mask_k, other=0.0).to(tl.float32))
+        b_q = b_q.to(dtype).to(tl.float32)
         b_o = tl.sum(b_state * (b_q * scale)[:, None], axis=0)
         tl.store(o + (i_b * HQ + head) * K + offs_v, b_o.to(dtype), mask=mask_v)
     tl.store(p_state, b_state, mask=mask_state)
