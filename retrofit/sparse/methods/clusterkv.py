@@ -74,14 +74,16 @@ class ClusterKV(SparseMethod):
                 f"an integer in [0, budget={self.budget})")
 
     def _buffers(self, layer, clusters: int) -> None:
-        """centroids [B, Hkv, C, D], sizes [B, Hkv, C] int32 for at least ``clusters`` clusters, assign [B, Hkv, N]
-        int32 (cluster of each position, -1: not clustered) for the N positions of the buffer; allocated for the
-        whole generation of a static cache at the prefill (clusters: the prefill's plus every scheduled batch)."""
+        """centroids [B, Hkv, C, D], sizes [B, Hkv, C] int32 for at least ``clusters`` clusters (none yet for 0),
+        assign [B, Hkv, N] int32 (cluster of each position, -1: not clustered) for the N positions of the buffer. A
+        static cache gets its cluster slots once, at the first upkeep: the prompt's clusters plus every scheduled
+        batch (buffers that do not exist yet are allocated at the size asked, 16 at least)."""
         meta = layer.meta
         B, H, capacity, D = layer.keys.shape
         int32 = torch.empty(0, dtype=torch.int32, device=layer.keys.device)
-        meta["centroids"] = grown(meta.get("centroids"), 2, clusters, layer.keys, (B, H, 0, D))
-        meta["sizes"] = grown(meta.get("sizes"), 2, clusters, int32, (B, H, 0))
+        if clusters:
+            meta["centroids"] = grown(meta.get("centroids"), 2, clusters, layer.keys, (B, H, 0, D))
+            meta["sizes"] = grown(meta.get("sizes"), 2, clusters, int32, (B, H, 0))
         meta["assign"] = grown(meta.get("assign"), 2, capacity, int32, (B, H, 0), fill=-1)
         if "clustered_upto" not in meta:
             meta["clustered_upto"] = torch.zeros(1, dtype=torch.long, device=layer.keys.device)
@@ -108,16 +110,11 @@ class ClusterKV(SparseMethod):
         """Clusters a static cache will hold: the prompt's plus ``new_clusters`` per ``recluster_every`` tokens."""
         return self.n_clusters + self.new_clusters * (max(0, layer.capacity - prompt) // self.recluster_every)
 
-    def _reserve_clusters(self, layer, clusters: int) -> None:
-        """Exactly ``clusters`` empty cluster slots (centroids and sizes), before any cluster exists."""
-        B, H, _, D = layer.keys.shape
-        layer.meta["centroids"] = torch.zeros(B, H, clusters, D, dtype=layer.keys.dtype, device=layer.keys.device)
-        layer.meta["sizes"] = torch.zeros(B, H, clusters, dtype=torch.int32, device=layer.keys.device)
-
     def prepare(self, layer, start: int, end: int) -> None:
         if "num_clusters" in layer.meta:  # a later prefill chunk: clustered when decoding starts
             return
-        self._buffers(layer, self.n_clusters)
+        # a static cache's cluster slots wait for the whole prompt (maintain): a prefill chunk knows only its own end
+        self._buffers(layer, 0 if layer.static else self.n_clusters)
 
     def prepare_step(self, layer) -> None:
         """Nothing per token: a new key stays unclustered (``assign`` -1, read exactly) until its batch is
@@ -131,10 +128,9 @@ class ClusterKV(SparseMethod):
         meta = layer.meta
         if "num_clusters" not in meta:
             if layer.static:
-                # every slot the generation will fill, sized from the whole prompt (a prefill chunk knows only its
-                # own end: sized there, a 127K prompt in chunks of 4K got ~3,500 slots for ~400 clusters, and each
-                # step scored and ranked them all)
-                self._reserve_clusters(layer, self._scheduled_clusters(layer, written))
+                # every slot the generation will fill, from the whole prompt (sized at the first prefill chunk, a
+                # 127K prompt in chunks of 4K got ~3,500 slots for ~400 clusters, each scored and ranked every step)
+                self._buffers(layer, self._scheduled_clusters(layer, written))
             self._cluster(layer, 0, written, self.n_clusters)
         elif written - meta["clustered_upto_host"] >= self.recluster_every:
             self._cluster(layer, meta["clustered_upto_host"], written, self.new_clusters)
