@@ -268,6 +268,10 @@ def test_a_kda_layers_input_projections_run_as_one_gemm_with_its_own_output():
     assert torch.equal(merged.bias[144 + 48 + 48: 144 + 48 + 48 + 3], layer.b_proj.bias)
     assert layer.b_proj.bias.untyped_storage().data_ptr() == merged.bias.untyped_storage().data_ptr()
     assert not merged.bias[:240].any() and not merged.bias[243:].any()  # zeros for the modules without a bias
+    # merged again (the engine installs its fused layers on every call): the same buffers, nothing moved, so a decode
+    # graph kept from the last call still reads the parameters where they are
+    again = MergedProjection.of(modules)
+    assert again.bias.data_ptr() == merged.bias.data_ptr() and again.weight_t.data_ptr() == merged.weight_t.data_ptr()
 
 
 def _storage_bytes(model) -> int:

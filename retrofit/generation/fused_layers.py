@@ -40,6 +40,7 @@ layers first, in one ``_foreach_add_`` per dtype (what ``StaticLayer.update`` do
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -125,30 +126,42 @@ def rows_of_one_buffer(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     if already:
         # a contiguous tensor's strides depend only on its trailing dimensions: the first block's serve the whole
         return first.detach().as_strided(shape, first.stride(), first.storage_offset())
-    buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
+    return _moved_into(torch.empty(shape, dtype=first.dtype, device=first.device), parameters,
+                       [parameter.shape[0] for parameter in parameters])
+
+
+def _moved_into(buffer: torch.Tensor, parameters: list[torch.nn.Parameter | None], rows: list[int]) -> torch.Tensor:
+    """Copy each parameter into its block of ``rows`` consecutive rows of ``buffer`` and make its data that view (a
+    None entry keeps its block as the buffer holds it); returns ``buffer``."""
     row = 0
     with torch.no_grad():
-        for parameter in parameters:
-            block = buffer[row: row + parameter.shape[0]]
-            block.copy_(parameter)
-            parameter.data = block
-            row += parameter.shape[0]
+        for parameter, count in zip(parameters, rows):
+            if parameter is not None:
+                block = buffer[row: row + count]
+                block.copy_(parameter)
+                parameter.data = block
+            row += count
     return buffer
 
 
-def _bias_with_zeros(biases: list[torch.nn.Parameter | None], sizes: tuple[int, ...], like: torch.Tensor
-                     ) -> torch.Tensor:
-    """One bias ``[sum of sizes]`` for a merged projection whose modules have a bias or not: zeros where one has none,
-    the others moved in as :func:`rows_of_one_buffer` moves them (each Parameter's data becomes its view)."""
-    buffer = torch.zeros(sum(sizes), dtype=like.dtype, device=like.device)
-    row = 0
-    with torch.no_grad():
-        for bias, size in zip(biases, sizes):
-            if bias is not None:
-                block = buffer[row: row + size]
-                block.copy_(bias)
-                bias.data = block
-            row += size
+# merged biases with zero blocks, by the first module with a bias: a later merge of the same modules finds its
+# buffer here (where rows_of_one_buffer finds its from the parameters' storage), so a decode graph captured over it
+# stays valid when the engine installs its fused layers again
+_ZERO_FILLED_BIASES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _bias_with_zeros(modules: list[torch.nn.Linear], sizes: tuple[int, ...]) -> torch.Tensor:
+    """One bias ``[sum of sizes]`` for merged ``modules`` of which some have a bias: zeros where one has none, the
+    others moved in (each Parameter's data becomes its view), once: the same buffer for the same modules later."""
+    biases = [module.bias for module in modules]
+    key = next(module for module in modules if module.bias is not None)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    buffer = _ZERO_FILLED_BIASES.get(key)
+    if buffer is not None and all(bias is None or bias.data_ptr() == buffer[offset:].data_ptr()
+                                  for bias, offset in zip(biases, offsets)):
+        return buffer
+    buffer = _moved_into(torch.zeros(sum(sizes), dtype=key.bias.dtype, device=key.bias.device), biases, list(sizes))
+    _ZERO_FILLED_BIASES[key] = buffer
     return buffer
 
 
@@ -174,7 +187,7 @@ class MergedProjection:
         elif all(bias is not None for bias in biases):
             bias = rows_of_one_buffer(biases)
         else:
-            bias = _bias_with_zeros(biases, sizes, weights[0])
+            bias = _bias_with_zeros(modules, sizes)
         return cls(rows_of_one_buffer(weights).t(), bias, sizes)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -253,6 +266,7 @@ class FusedDecoderLayer:
         self.gate, self.up, self.down = gate, up, down
         self.attention = attention
         self.original = layer.forward
+        self.step_route: str | None = None  # this step's route(), set by DecodeFusion.decoding
         # an attention module of another kind that names the projections of its input (a converted layer: q, k, v
         # and its gates' first projections) runs them as one GEMM
         self.input_modules = tuple(layer.self_attn.input_projections()) if (
@@ -274,20 +288,19 @@ class FusedDecoderLayer:
             return None
         return cls(layer, fusion, *norms, *projections, FusedAttention.of(attn))
 
-    def fuses_attention(self) -> bool:
-        """Whether the decode step rotates, writes the cache and attends here over a ``StaticLayer`` (the engine's
-        decode attention)."""
+    def route(self) -> str | None:
+        """Where this step's token goes: ``"static"`` (rotated, written and attended here over a ``StaticLayer``: the
+        engine's decode attention), ``"sparse"`` (rotated and written here into a sparse session's layer, then
+        attended through the session: its method's selection), or None (the layer's own attention module runs).
+        :meth:`DecodeFusion.decoding` asks once per step and keeps the answer in ``step_route``."""
         layer = self.fusion.cache.layers[self.index]
-        return (self.attention is not None and type(layer) is StaticLayer
-                and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor))
-
-    def fuses_sparse_attention(self) -> bool:
-        """Whether the decode step rotates and writes here into a sparse session's layer, then attends through the
-        session (its method's selection); else, where :meth:`fuses_attention` does not hold either, the layer's own
-        attention module runs."""
-        layer = self.fusion.cache.layers[self.index]
-        return (self.attention is not None and self.fusion.session is not None and isinstance(layer, SparseLayer)
-                and layer.fusable_decode_write())
+        if self.attention is None:
+            return None
+        if type(layer) is StaticLayer and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            return "static"
+        if self.fusion.session is not None and isinstance(layer, SparseLayer) and layer.fusable_decode_write():
+            return "sparse"
+        return None
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """hidden_states [B, 1, H] (a decode token) -> [B, 1, H]; anything else goes to the layer's own forward."""
@@ -296,7 +309,7 @@ class FusedDecoderLayer:
         B, _, H = hidden_states.shape
         residual = hidden_states.reshape(B, H)
         normed = rms_norm(residual, self.input_norm.weight, self.input_norm.eps)
-        if self.fuses_attention() or self.fuses_sparse_attention():
+        if self.step_route is not None:
             attended = self._attention(normed, kwargs)
         else:
             attended = self._own_attention(normed.view(B, 1, H), kwargs).reshape(B, H)
@@ -328,7 +341,7 @@ class FusedDecoderLayer:
         B, D = normed.shape[0], attention.head_dim
         q, k, v = attention.qkv(normed)
         q, k, v = q.view(B, attention.heads, D), k.view(B, attention.kv_heads, D), v.view(B, attention.kv_heads, D)
-        if isinstance(layer, SparseLayer):
+        if self.step_route == "sparse":
             attended = self.fusion.session.decode(layer, layer.write_rotated_next(q, k, v, cos, sin), attention.scale)
         else:
             queries = rotary_qk_into_cache(q, k, v, cos, sin, layer.keys, layer.values, layer.cumulative_length)
@@ -393,10 +406,11 @@ class DecodeFusion:
         fused forwards act inside the block."""
         counters: dict[torch.dtype, list[torch.Tensor]] = {}
         for fused in self.layers:
+            fused.step_route = fused.route()
             layer = self.cache.layers[fused.index]
-            if fused.fuses_attention():
+            if fused.step_route == "static":
                 advanced = [layer.cumulative_length]
-            elif fused.fuses_sparse_attention():
+            elif fused.step_route == "sparse":
                 advanced = list(layer.decode_counters())
             else:
                 continue
