@@ -25,8 +25,8 @@ def _newest_block_keys(keys_ptr, write_pos_ptr, start_ptr, end_ptr, stride_kb, s
                        stride_start, stride_end, Hkv, N, D, block_size,
                        BLOCK_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's row ``b`` and kv head ``h`` and their keys in the block holding position ``write_pos - 1``:
-    (b, h, block index, keys [BLOCK_PAD, BLOCK_D] fp32 with 0 outside the valid positions, the count of those,
-    max and min [BLOCK_D] over them (0 where there are none), the channel offsets and their mask)."""
+    (b, h, block index, max, min and mean [BLOCK_D] fp32 over the valid positions (0 where there are none), the
+    channel offsets and their mask)."""
     b = tl.program_id(0) // Hkv
     h = tl.program_id(0) % Hkv
     block = (tl.load(write_pos_ptr).to(tl.int64) - 1) // block_size
@@ -45,7 +45,8 @@ def _newest_block_keys(keys_ptr, write_pos_ptr, start_ptr, end_ptr, stride_kb, s
     low = tl.min(tl.where(tile_ok, keys, float("inf")), 0)
     high = tl.where(count > 0, high, 0.0)
     low = tl.where(count > 0, low, 0.0)
-    return b, h, block, keys, count, high, low, d, d_ok
+    mean = tl.sum(keys, 0) / tl.maximum(count, 1.0)
+    return b, h, block, high, low, mean, d, d_ok
 
 
 @triton.jit
@@ -55,7 +56,7 @@ def _quest_page_update_kernel(
     stride_start, stride_end, Hkv, N, D, page_size,
     BLOCK_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b, h, page, _, _, high, low, d, d_ok = _newest_block_keys(
+    b, h, page, high, low, _, d, d_ok = _newest_block_keys(
         keys_ptr, write_pos_ptr, start_ptr, end_ptr, stride_kb, stride_kh, stride_kn, stride_start, stride_end,
         Hkv, N, D, page_size, BLOCK_PAD, BLOCK_D)
     tl.store(min_ptr + b * stride_mb + h * stride_mh + page * stride_mp + d, low.to(min_ptr.dtype.element_ty),
@@ -70,10 +71,9 @@ def _pool_newest_block_kernel(
     stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_start, stride_end, Hkv, N, D, block_size,
     BLOCK_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b, h, _, keys, count, high, low, d, d_ok = _newest_block_keys(
+    b, h, _, high, low, mean, d, d_ok = _newest_block_keys(
         keys_ptr, write_pos_ptr, start_ptr, end_ptr, stride_kb, stride_kh, stride_kn, stride_start, stride_end,
         Hkv, N, D, block_size, BLOCK_PAD, BLOCK_D)
-    mean = tl.sum(keys, 0) / tl.maximum(count, 1.0)
     out = out_ptr + b * stride_ob + h * stride_oh
     tl.store(out + d, high, mask=d_ok)
     tl.store(out + D + d, low, mask=d_ok)
@@ -87,10 +87,9 @@ def _seer_gate_key_update_kernel(
     Hkv, N, D, block_size, hidden,
     BLOCK_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
-    b, h, block, keys, count, high, low, d, d_ok = _newest_block_keys(
+    b, h, block, high, low, mean, d, d_ok = _newest_block_keys(
         keys_ptr, write_pos_ptr, start_ptr, end_ptr, stride_kb, stride_kh, stride_kn, stride_start, stride_end,
         Hkv, N, D, block_size, BLOCK_PAD, BLOCK_D)
-    mean = tl.sum(keys, 0) / tl.maximum(count, 1.0)
     # the pooled keys in the gate's dtype, as the projection reads them; channels past D (max -inf, min +inf) are 0,
     # since 0 weight times an infinity would be NaN
     out_ty = gate_keys_ptr.dtype.element_ty

@@ -13,8 +13,14 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn as nn
 
-from retrofit.kernels import causal_conv1d_update, delta_rule_decode_step, log_decay_ref, sigmoid_gated_rms_norm
-from retrofit.layers.modules import GatedRMSNorm, ShortConvolution, l2_normalize, rotate
+from retrofit.kernels import (
+    causal_conv1d_update,
+    delta_rule_decode_step,
+    l2_normalize_ref,
+    log_decay_ref,
+    sigmoid_gated_rms_norm,
+)
+from retrofit.layers.modules import GatedRMSNorm, ShortConvolution, rotate
 from retrofit.layers.spec import AttentionShape, LinearAttentionSpec
 from retrofit.layers.state import cache_states, padding_mask, store_states
 
@@ -147,7 +153,7 @@ class DeltaRuleAttention(nn.Module):
         q, k, v = q.view(B, T, hq, d), k.view(B, T, hk, d), v.reshape(B, T, hk, d).contiguous()
         if self.spec.use_rope and position_embeddings is not None:
             q, k = rotate(q, k, position_embeddings)
-        q, k = l2_normalize(q), l2_normalize(k)
+        q, k = l2_normalize_ref(q), l2_normalize_ref(k)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = self.decay(x)
         if keep is not None:

@@ -1,5 +1,5 @@
 """Small modules and functions shared by the delta-rule layers: the short causal convolution, the gated output norm,
-L2 normalisation, rotary embedding, and the initial decay."""
+rotary embedding, and the initial decay (the L2 norm and the gates' math: ``retrofit.kernels`` references)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from retrofit.kernels import causal_conv1d, causal_conv1d_update, gated_rms_norm_ref, l2_normalize_ref
+from retrofit.kernels import causal_conv1d, causal_conv1d_update, gated_rms_norm_ref
 from retrofit.layers.spec import LinearAttentionSpec
 
 
@@ -82,10 +82,6 @@ class GatedRMSNorm(nn.Module):
         """o ``[B, T, H, D]``, gate ``[B, T, H, D]`` (already through its activation) -> ``[B, T, H, D]``."""
         return gated_rms_norm_ref(o, gate, self.weight, self.eps)
 
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x ``[..., K]`` -> x / ||x||, in fp32 for the norm (the decode kernel's math: ``l2_normalize_ref``)."""
-    return l2_normalize_ref(x, eps)
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,7 @@ class SeerGate(nn.Module):
         return self.q_proj(q.reshape(B, self.num_kv_heads, self.group * D))
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
-        return self.projected_query(q) / math.sqrt(self.hidden)
+        return self.projected_query(q) * self.scale
 
     def block_keys(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.k_proj(pooled)
