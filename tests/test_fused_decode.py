@@ -242,6 +242,33 @@ def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls, kind="gdn
     assert gemms == {False: 7 + (6 + low_rank + 1 + 3) + 1, True: 5 + (1 + low_rank + 1 + 3) + 1}
 
 
+def test_a_hybrids_second_call_reuses_the_kept_generation_after_its_weights_moved(tiny):
+    """The first call's fused install moves the converted layer's input projections into one buffer; the state it
+    keeps is keyed by the weights where they now are, so the next call of the same bucket reuses it (on CUDA: replays
+    its graph) instead of allocating a new cache, and gives a fresh generation's tokens."""
+    from retrofit.convert.build import to_hybrid
+    from retrofit.generation import kept_generation, release
+    from retrofit.hybrid import HybridSection
+
+    hybrid = to_hybrid(tiny, HybridSection(layers=[1], layer_type="gdn", base_model_type="llama"))
+    ids, mask = _prompt()
+    options = dict(eos_token_id=[], pad_token_id=0)
+    with use_backend("triton"):
+        release(hybrid)
+        storages_before = {module.weight.untyped_storage().data_ptr()
+                           for module in hybrid.model.layers[1].self_attn.input_projections()}
+        retrofit.generate(hybrid, ids, mask, max_new_tokens=3, **options)
+        first = kept_generation(hybrid)
+        storages_after = {module.weight.untyped_storage().data_ptr()
+                          for module in hybrid.model.layers[1].self_attn.input_projections()}
+        assert len(storages_before) > 1 and len(storages_after) == 1  # moved during the first call
+        reused = retrofit.generate(hybrid, ids[:, 2:], mask[:, 2:], max_new_tokens=3, **options)
+        assert kept_generation(hybrid).generation is first.generation
+        fresh = retrofit.generate(hybrid, ids[:, 2:], mask[:, 2:], max_new_tokens=3, keep_state=False, **options)
+        release(hybrid)
+    assert torch.equal(reused, fresh), (reused != fresh).sum()
+
+
 def test_a_kda_layers_input_projections_run_as_one_gemm_with_its_own_output():
     """KDA's q, k, v, b, f_a and g_a (only b has a bias) as one merged projection: served to the layer, its output is
     the layer's own within fp32 summation order (1e-5 of its scale: the merged GEMM sums the same products), the

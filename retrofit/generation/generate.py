@@ -131,7 +131,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     pad = default_pad_token_id(model=model) if pad_token_id is None else int(pad_token_id)
     # greedy decoding outside a sparse session reuses the previous call's cache and graph (retrofit.generation.kept)
     keepable = keep_state and not options.do_sample and active_session(model) is None
-    key = reuse_key(model, (tuple(eos), pad, prefill_chunk, cuda_graph, fuse_layers)) if keepable else None
+    step_options = (tuple(eos), pad, prefill_chunk, cuda_graph, fuse_layers)
+    key = reuse_key(model, step_options) if keepable else None
     kept = take(model, key, input_ids, max_new_tokens)  # frees a kept state that does not fit (or is not wanted)
     if kept is not None:
         generation = kept.generation
@@ -151,5 +152,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         streamer.end()
     tokens = torch.cat([input_ids, generation.out[:, : generation.produced()]], dim=1)
     if keepable:
-        keep(model, KeptGeneration(key, generation, loop.captured))
+        # keyed by the weights where the kept step reads them: installing the fused layers may have moved some into
+        # merged buffers during this call (they stay there, so the next call's key matches this one)
+        keep(model, KeptGeneration(reuse_key(model, step_options), generation, loop.captured))
     return tokens
