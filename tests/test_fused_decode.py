@@ -161,11 +161,11 @@ def test_the_engine_fuses_by_default_and_not_when_told(tiny):
                 assert any("forward" in module.__dict__ for module in tiny.modules()) == (expected is not None)
 
 
-def _gemms_in_a_decode_step(model, fuse_layers: bool) -> int:
-    """The GEMMs (aten mm / addmm) of the second decode step after the prompt."""
+def _ops_in_a_decode_step(model, fuse_layers: bool, names: tuple[str, ...] = ("mm", "addmm", "addmm_")) -> int:
+    """The aten ops of ``names`` (default: the GEMMs) in the second decode step after the prompt."""
     with _decoding(model, fuse_layers, steps=1, new_tokens=4) as generation, DispatchCount(record=True) as count:
         generation.step()
-    return sum(name.split(".")[1] in ("mm", "addmm", "addmm_") for name, _, _ in count.trace)
+    return sum(name.split(".")[1] in names for name, _, _ in count.trace)
 
 
 SESSIONS = {"quest": {"page_size": 4, "dense_layers": ()},
@@ -184,7 +184,7 @@ def test_a_sparse_sessions_layers_rotate_and_write_fused_and_attend_through_the_
         fused = _decode(tiny)
         assert calls["rotary"] == 2 * (NEW_TOKENS - 1) and calls["add_rms_norm"] == 2 * (NEW_TOKENS - 1)
         unfused = _decode(tiny, fuse_layers=False)
-        gemms = {fuse: _gemms_in_a_decode_step(tiny, fuse) for fuse in (True, False)}
+        gemms = {fuse: _ops_in_a_decode_step(tiny, fuse) for fuse in (True, False)}
     assert torch.equal(fused.out[:, :NEW_TOKENS], unfused.out[:, :NEW_TOKENS])
     for mine, theirs in zip(fused.cache.layers, unfused.cache.layers, strict=True):
         assert (mine.length, mine.seen, mine.new_start) == (theirs.length, theirs.seen, theirs.new_start)
@@ -235,11 +235,18 @@ def test_a_converted_hybrid_fuses_its_softmax_layers_only(tiny, calls, kind="gdn
     storages = {module.weight.untyped_storage().data_ptr() for module in inputs}
     assert len(storages) == 1  # the weights moved into one buffer, as row blocks
     assert all(torch.equal(parameter, before[name]) for name, parameter in converted.named_parameters())
-    gemms = {fuse: _gemms_in_a_decode_step(hybrid, fuse) for fuse in (True, False)}
+    gemms = {fuse: _ops_in_a_decode_step(hybrid, fuse) for fuse in (True, False)}
     # unfused: layer 0's 7; layer 1's projections of its input (GDN: q, k, v, b, a, g; KDA: q, k, v, b, f_a, g_a),
     # KDA's two low-rank up-projections, o, and the MLP's 3; the LM head. Fused: layer 0's 5; layer 1's inputs as 1
     low_rank = 2 if kind == "kda" else 0
     assert gemms == {False: 7 + (6 + low_rank + 1 + 3) + 1, True: 5 + (1 + low_rank + 1 + 3) + 1}
+    if kind == "gdn":
+        # fused, the GDN layer reads q, k and v (into its conv) and the output gate's logits (into its norm) in place
+        # in the merged product: no concatenation and no contiguous copy (before: a cat and a clone). Left in both:
+        # the rotary embedding's cat of its frequencies; unfused also layer 0's two rotate_half cats and the GDN
+        # layer's cat of its three projections
+        copies = {fuse: _ops_in_a_decode_step(hybrid, fuse, ("cat", "clone")) for fuse in (True, False)}
+        assert copies == {True: 1, False: 4}
 
 
 def test_a_hybrids_second_call_reuses_the_kept_generation_after_its_weights_moved(tiny):

@@ -117,7 +117,7 @@ def causal_conv1d_bwd_dx_kernel(
 
 @triton.jit
 def causal_conv1d_update_kernel(
-    x, state, weight, bias, y, D,
+    x, state, weight, bias, y, D, x_row_stride,
     W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
@@ -131,7 +131,7 @@ def causal_conv1d_update_kernel(
     window = tl.load(base + offs_w[None, :], mask=mask_d[:, None] & in_state[None, :], other=0.0).to(tl.float32)
     shifted = tl.load(base + offs_w[None, :] + 1, mask=mask_d[:, None] & (offs_w < W - 2)[None, :],
                       other=0.0)
-    x_now = tl.load(x + i_b * D + offs_d, mask=mask_d, other=0.0)
+    x_now = tl.load(x + i_b * x_row_stride + offs_d, mask=mask_d, other=0.0)
     w_state = tl.load(weight + offs_d[:, None] * W + offs_w[None, :],
                       mask=mask_d[:, None] & in_state[None, :], other=0.0).to(tl.float32)
     w_now = tl.load(weight + offs_d * W + (W - 1), mask=mask_d, other=0.0).to(tl.float32)
@@ -266,7 +266,8 @@ def causal_conv1d_update_triton(
     """One decode step of the causal conv; rolls ``conv_state`` in place (inference only).
 
     Args:
-        x: ``[B, D]`` or ``[B, 1, D]``, the new input.
+        x: ``[B, D]`` or ``[B, 1, D]``, the new input; its rows may be spaced wider than ``D`` (a column block of a
+            wider buffer, e.g. q, k and v in a merged projection's output) as long as its channels are contiguous.
         conv_state: ``[B, D, W - 1]`` contiguous, the last ``W - 1`` inputs (oldest first); on return it
             holds the window shifted by one with ``x`` as its newest entry.
         weight: ``[D, W]``.
@@ -286,12 +287,13 @@ def causal_conv1d_update_triton(
         raise ValueError(f"causal_conv1d_update: weight must be [{D}, W] with W >= 2, got {tuple(weight.shape)}")
     if tuple(conv_state.shape) != (B, D, W - 1) or not conv_state.is_contiguous():
         raise ValueError(f"causal_conv1d_update: conv_state must be a contiguous {[B, D, W - 1]} tensor, got {list(conv_state.shape)}")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    y = torch.empty_like(x)
+    rows = x.reshape(B, D)  # a view for a column block of a wider buffer
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     BD = _block_d(D)
     causal_conv1d_update_kernel[(triton.cdiv(D, BD), B)](
-        x, conv_state, weight, bias, y, D,
+        rows, conv_state, weight, bias, y, D, rows.stride(0),
         W=W, BW=max(2, triton.next_power_of_2(W - 1)), BD=BD, HAS_BIAS=bias is not None, SILU=silu,
     )
     return y

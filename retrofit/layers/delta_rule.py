@@ -138,7 +138,7 @@ class DeltaRuleAttention(nn.Module):
         keep = None if decode else padding_mask(attention_mask, B, T, x.device)
         in_place = decode and conv_state is not None  # the cache's states advance in place: nothing allocated
 
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = _joined_columns([self.q_proj(x), self.k_proj(x), self.v_proj(x)])
         if keep is not None:
             qkv = qkv * keep[..., None].to(qkv.dtype)
         if in_place:
@@ -193,3 +193,20 @@ class DeltaRuleAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"kind={self.layer_kind}, layer_idx={self.layer_idx}, heads={self.num_heads}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+
+
+def _joined_columns(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """``blocks [..., n_i]`` -> ``[..., sum n_i]``: a view where they are consecutive column blocks of one buffer (a
+    decode engine's merged projection returns q, k and v so: no copy), else their concatenation."""
+    first, width = blocks[0], 0
+    leading_strides = [stride for size, stride in zip(first.shape[:-1], first.stride()) if size > 1]
+    for block in blocks:
+        if (block.shape[:-1] != first.shape[:-1] or block.stride(-1) != 1 or block.dtype != first.dtype
+                or [stride for size, stride in zip(block.shape[:-1], block.stride()) if size > 1] != leading_strides
+                or block.storage_offset() != first.storage_offset() + width
+                or block.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(blocks, dim=-1)
+        width += block.shape[-1]
+    if any(size > 1 and stride < width for size, stride in zip(first.shape[:-1], first.stride()[:-1])):
+        return torch.cat(blocks, dim=-1)  # the joined rows would overlap
+    return first.as_strided((*first.shape[:-1], width), first.stride(), first.storage_offset())

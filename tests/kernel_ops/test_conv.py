@@ -61,12 +61,18 @@ def test_prefill_forward_and_backward_match_reference(B, T, D, W, activation, bi
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("shape", ["B,D", "B,1,D"])
+@pytest.mark.parametrize("shape", ["B,D", "B,1,D", "B,D of wider rows", "B,1,D of wider rows"])
 @pytest.mark.parametrize("activation,bias", [("silu", True), (None, False)], ids=["silu-bias", "linear"])
 def test_update_matches_reference_and_rolls_state(W, shape, activation, bias):
+    """``of wider rows``: x a column block of a wider buffer (q, k and v inside a merged projection's output), read
+    in place with its row stride."""
     B, D = 3, 130
     x, weight, b, state = _inputs(B, 1, D, W, bias=bias, init=True)
-    x = x[:, 0] if shape == "B,D" else x
+    if shape.endswith("of wider rows"):
+        wider = torch.randn(B, 1, D + 57, generator=torch.Generator().manual_seed(3))
+        wider[:, :, 11:11 + D] = x
+        x = wider[:, :, 11:11 + D]
+    x = x[:, 0] if shape.startswith("B,D") else x
     state_ref = state.clone()
     with nan_poisoned_allocations():
         y = causal_conv1d_update(x, state, weight, b, activation)

@@ -95,11 +95,19 @@ def test_decode_step_rejects_shapes_that_do_not_fit():
 NORM_CASES = {"B1x1-H9-D64": (1, 1, 9, 64), "B3x1-H3-D48": (3, 1, 3, 48), "B2x5-H2-D100": (2, 5, 2, 100)}
 
 
+@pytest.mark.parametrize("wider_rows", [False, True], ids=["", "logits-of-wider-rows"])
 @pytest.mark.parametrize("case", list(NORM_CASES), ids=list(NORM_CASES))
-def test_sigmoid_gated_rms_norm_matches_reference_fp32(case):
+def test_sigmoid_gated_rms_norm_matches_reference_fp32(case, wider_rows):
+    """``wider_rows``: the logits a column block of a wider buffer (a merged projection's output), read in place."""
     shape = NORM_CASES[case]
     gen = torch.Generator().manual_seed(2)
     o, logits = torch.randn(shape, generator=gen) * 3, torch.randn(shape, generator=gen) * 2
+    if wider_rows:
+        H, D = shape[-2:]
+        wider = torch.randn(*shape[:-2], H * D + 13, generator=gen)
+        wider[..., 5:5 + H * D] = logits.flatten(-2)
+        logits = wider[..., 5:5 + H * D].unflatten(-1, (H, D))
+        assert logits.storage_offset() == 5  # (and tokens H * D + 13 apart where there are several)
     weight = torch.rand(shape[-2:], generator=gen) + 0.5  # per head: a wrong head's weight shows
     with nan_poisoned_allocations():
         out = sigmoid_gated_rms_norm(o, logits, weight, 1e-6)
