@@ -116,11 +116,20 @@ def hybrid_cache_bytes(batch: int, tokens: int, dtype_bytes: int, kv_layers: int
     """What a hybrid's generation cache must hold, by arithmetic: each softmax layer keeps K and V
     ``[B, H_kv, tokens, D]`` in the model dtype (and, in a static cache, an int64 write counter); each GDN layer
     keeps a conv state ``[B, (H_q + 2 H_kv) D, W - 1]`` in the model dtype and a recurrent state ``[B, H_kv, D, D]``
-    in float32, whatever the prompt length."""
+    in float32, whatever the prompt length, and the int64 position counter that transformers' linear-attention cache
+    layer holds from 5.25 on."""
     kv = kv_layers * (2 * batch * kv_heads * tokens * head_dim * dtype_bytes + (8 if counters else 0))
     conv = batch * (q_heads + 2 * kv_heads) * head_dim * (conv_size - 1) * dtype_bytes
     recurrent = batch * kv_heads * head_dim * head_dim * 4
-    return kv + gdn_layers * (conv + recurrent)
+    return kv + gdn_layers * (conv + recurrent + _linear_layer_counter_bytes())
+
+
+def _linear_layer_counter_bytes() -> int:
+    """8 where the installed transformers' ``LinearAttentionLayer`` keeps an int64 counter tensor (5.25 on), else 0."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    counter = getattr(LinearAttentionLayer(), "cumulative_length_linear", None)
+    return counter.element_size() * counter.numel() if isinstance(counter, torch.Tensor) else 0
 
 
 def test_converted_cache_bytes_are_one_kv_layer_plus_three_states():
@@ -134,7 +143,8 @@ def test_converted_cache_bytes_are_one_kv_layer_plus_three_states():
     # equality: the cache holds nothing else
     assert point.cache_bytes == hybrid_cache_bytes(3, 256, 4, kv_layers=1, gdn_layers=3, q_heads=9, kv_heads=3,
                                                    head_dim=64)
-    assert point.cache_bytes == 2 * 3 * 3 * 256 * 64 * 4 + 8 + 3 * (3 * 960 * 3 * 4 + 3 * 3 * 64 * 64 * 4)
+    assert point.cache_bytes == (2 * 3 * 3 * 256 * 64 * 4 + 8
+                                 + 3 * (3 * 960 * 3 * 4 + 3 * 3 * 64 * 64 * 4 + _linear_layer_counter_bytes()))
 
 
 def test_converted_states_do_not_grow_with_the_prompt():

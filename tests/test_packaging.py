@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -25,7 +27,20 @@ def test_every_package_folder_is_installed():
 
 
 def test_no_generic_top_level_modules_are_importable():
-    # transformers probes for Hugging Face's `kernels` package; ours must never be found under that name.
-    assert importlib.util.find_spec("kernels") is None
+    # (`kernels`: the next test; the folder is on sys.path wherever the checkout's root is, e.g. an editable install)
     assert importlib.util.find_spec("cli") is None
     assert importlib.util.find_spec("retrofit.kernels") is not None
+
+
+def test_from_the_checkouts_root_kernels_is_hugging_faces_and_transformers_starts():
+    """``python -c`` in the repository root puts the root first on sys.path, where ``kernels/`` is a top-level
+    package: importing it there hands the name to Hugging Face's installed package (transformers 5.25 imports names of
+    it at start-up), while retrofit's kernels stay ``retrofit.kernels``."""
+    code = ("import importlib.metadata, kernels, transformers.activations, retrofit.kernels; "
+            "print(kernels.__file__); print(retrofit.kernels.causal_conv1d_update.__module__); "
+            "print(importlib.metadata.version('kernels'))")
+    completed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    kernels_file, conv_module, _ = completed.stdout.split()
+    assert Path(kernels_file).resolve() != (REPO / "kernels" / "__init__.py").resolve()  # Hugging Face's
+    assert conv_module == "retrofit.kernels.conv.causal_conv1d"
