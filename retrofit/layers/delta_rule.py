@@ -198,15 +198,20 @@ class DeltaRuleAttention(nn.Module):
 def _joined_columns(blocks: list[torch.Tensor]) -> torch.Tensor:
     """``blocks [..., n_i]`` -> ``[..., sum n_i]``: a view where they are consecutive column blocks of one buffer (a
     decode engine's merged projection returns q, k and v so: no copy), else their concatenation."""
-    first, width = blocks[0], 0
-    leading_strides = [stride for size, stride in zip(first.shape[:-1], first.stride()) if size > 1]
-    for block in blocks:
-        if (block.shape[:-1] != first.shape[:-1] or block.stride(-1) != 1 or block.dtype != first.dtype
-                or [stride for size, stride in zip(block.shape[:-1], block.stride()) if size > 1] != leading_strides
-                or block.storage_offset() != first.storage_offset() + width
-                or block.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
-            return torch.cat(blocks, dim=-1)
-        width += block.shape[-1]
-    if any(size > 1 and stride < width for size, stride in zip(first.shape[:-1], first.stride()[:-1])):
-        return torch.cat(blocks, dim=-1)  # the joined rows would overlap
+    first = blocks[0]
+    width = sum(block.shape[-1] for block in blocks)
+    offsets = [first.storage_offset()]
+    for block in blocks[:-1]:
+        offsets.append(offsets[-1] + block.shape[-1])
+    adjacent = all(block.shape[:-1] == first.shape[:-1] and block.dtype == first.dtype and block.stride(-1) == 1
+                   and _row_strides(block) == _row_strides(first) and block.storage_offset() == offset
+                   and block.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for block, offset in zip(blocks, offsets))
+    if not adjacent or any(stride < width for stride in _row_strides(first)):  # (else the joined rows would overlap)
+        return torch.cat(blocks, dim=-1)
     return first.as_strided((*first.shape[:-1], width), first.stride(), first.storage_offset())
+
+
+def _row_strides(x: torch.Tensor) -> list[int]:
+    """The strides of ``x``'s leading dimensions that step anywhere (a size-1 dimension's stride is arbitrary)."""
+    return [stride for size, stride in zip(x.shape[:-1], x.stride()) if size > 1]
