@@ -31,6 +31,16 @@ def check_text(text: str, path: str | Path, what: str = "text file") -> None:
     if not text.strip():
         raise RetrofitError(f"{what} {path} is empty")
     sample = text[: 1 << 20]
+    if _printable_but_line_breaks_and_tabs(sample):
+        return
     printable = sum(character.isprintable() or character.isspace() for character in sample)
     if printable < MIN_PRINTABLE_SHARE * len(sample):
         raise RetrofitError(f"{what} {path}: not text ({100 * (1 - printable / len(sample)):.0f}% control characters)")
+
+
+def _printable_but_line_breaks_and_tabs(sample: str) -> bool:
+    """True when every character is printable once line breaks and tabs are set aside: the common case, decided by
+    C string methods in about a tenth of the per-character count's time (which a calibration run pays per book and
+    per reading). False sends the sample to the exact count (other whitespace, such as no-break spaces, counts as
+    text there)."""
+    return sample.replace("\n", "").replace("\r", "").replace("\t", "").isprintable()

@@ -16,6 +16,8 @@ import pytest
 
 from _cli_runner import run
 
+from retrofit.errors import RetrofitError
+
 FIXTURE = Path(__file__).parent / "fixtures" / "hybrid_v1_gdn"
 EVAL = ["--data-dir", "{eval}"]
 CONVERT = ["smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--out", "{missing}"]
@@ -261,3 +263,21 @@ def test_the_table_has_the_rows_of_every_verb():
     verbs = {args[0] for args, _ in ROWS}
     assert {"inspect", "generate", "eval", "bench", "select", "lm-eval", "convert", "gates"} <= verbs
     assert len(ROWS) >= 64
+
+
+def test_text_check_passes_text_with_any_whitespace_and_refuses_control_characters(calib_data_dir):
+    """Whether a file is text: the quick test (every character printable once line breaks and tabs are set aside)
+    and the exact count (>= 90% printable or whitespace) must give one verdict; each branch is reached here."""
+    from retrofit.textfiles import _printable_but_line_breaks_and_tabs, check_text
+
+    book = (calib_data_dir / "walden.txt").read_text()
+    assert _printable_but_line_breaks_and_tabs(book[: 1 << 20])  # a book takes the quick path
+    check_text(book, "walden.txt")
+    words = "Call me Ishmael.\tSome years ago,\r\nnever mind how long. " * 40
+    spaced = words.replace(" ", "\u00a0\u2028\x0c", 50)  # no-break spaces, line separators, form feeds
+    assert not _printable_but_line_breaks_and_tabs(spaced)  # other whitespace goes to the exact count
+    check_text(spaced, "spaced.txt")
+    bell_every_20 = "".join(character + ("\x07" if index % 20 == 0 else "") for index, character in enumerate(words))
+    check_text(bell_every_20, "bells.txt")  # 1 control character in 21: 95% text passes
+    with pytest.raises(RetrofitError, match=r"bad\.txt: not text \(20% control characters\)"):
+        check_text("abcd\x00" * 400, "bad.txt")
