@@ -213,3 +213,30 @@ def test_a_hybrid_checkpoint_scores_the_same_in_lm_eval_and_retrofit_eval(smollm
         # sums of ~20-60 float32 log-probabilities; batching differs (padding), 1e-4 as in test_eval_scoring
         assert mine["loglikelihoods"] == pytest.approx(lm_evals, abs=1e-4)
     assert results["results"]["retrofit_piqa"]["acc,none"] == sum(record["acc"] for record in ours) / 3
+
+
+def test_lm_eval_indexes_only_the_include_paths_when_they_hold_every_task_asked_for(tmp_path):
+    """lm-eval indexes its ~14,000 built-in task files before looking a name up (about 15 s of a CPU core): when
+    every task asked for is retrofit's or the user's, only the include paths are indexed; a built-in task, or a mix,
+    leaves lm-eval's own task manager in place."""
+    from lm_eval import tasks as lm_eval_tasks
+
+    from retrofit.harness import TASKS_DIR
+    from retrofit.harness.command import (include_shipped_tasks, included_tasks_only_when_they_hold_every_task,
+                                          parse_lm_eval_args)
+
+    def args_for(*argv):
+        _, args = parse_lm_eval_args(["--model", "retrofit", *argv])
+        include_shipped_tasks(args)
+        return args
+
+    every_task_manager = lm_eval_tasks.TaskManager
+    ours = args_for("--tasks", "retrofit_piqa,retrofit_arc_easy")
+    with included_tasks_only_when_they_hold_every_task(ours):
+        narrowed = lm_eval_tasks.TaskManager(include_path=ours.include_path)  # as lm-eval's run command builds it
+    assert lm_eval_tasks.TaskManager is every_task_manager  # restored on leaving
+    shipped = sorted(path.stem for path in TASKS_DIR.glob("*.yaml"))
+    assert narrowed.all_tasks == shipped and isinstance(narrowed, every_task_manager)
+    for argv in (("--tasks", "piqa"), ("--tasks", "retrofit_piqa,arc_easy"), ()):
+        with included_tasks_only_when_they_hold_every_task(args_for(*argv)):
+            assert lm_eval_tasks.TaskManager is every_task_manager, argv
