@@ -24,6 +24,7 @@ import torch
 from retrofit.atomic import atomic_path
 from retrofit.devices import parse_device, parse_dtype
 from retrofit.errors import RetrofitError
+from retrofit.gguf_files import parsed_once
 from retrofit.model_files import check_model_dir, read_config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -125,9 +126,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from safetensors import SafetensorError
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight file is noise for a 1-file model
@@ -140,6 +140,16 @@ def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.d
             return load_hybrid(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             raise RetrofitError(f"{source}: cannot load the hybrid checkpoint ({_first_line(err)})") from None
+    with parsed_once() if gguf_file is not None else contextlib.nullcontext():
+        return _load_checked(source, path, gguf_file, dtype, local)
+
+
+def _load_checked(source: str, path: str, gguf_file: str | None, dtype: torch.dtype, local: bool):
+    """(model, tokenizer) of a dense checkpoint: its config read once and checked to be a causal LM first."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from safetensors import SafetensorError
+
     try:
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except OSError as err:
@@ -198,8 +208,10 @@ def _convert_packaged(gguf_path: Path, target: Path) -> None:
     print(f"retrofit: converting {gguf_path.name} to {target} (once)", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # The tensors are already dequantized to float32; only the GGUF marker stops save_pretrained.
     model.hf_quantizer = None
     model.is_quantized = False

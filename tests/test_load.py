@@ -22,10 +22,29 @@ def gguf_path():
     return reference_gguf("smollm2-135m")
 
 
-def test_gguf_load_matches_transformers(gguf_path, smollm2):
+def test_gguf_load_matches_transformers(gguf_path, smollm2, monkeypatch):
+    import gguf
+
+    readers = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            readers.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
     model, tokenizer = retrofit.load(gguf_path, dtype="float32")
+    ours_read = len(readers)
     reference = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                      dtype=torch.float32).eval()
+    # transformers' own load parses the file for the config and again for the weights; retrofit.load, which reads the
+    # tokenizer from it as well, shares one parse between all three (retrofit/gguf_files.py) and leaves gguf-py as it
+    # found it
+    assert ours_read == 1 and len(readers) - ours_read >= 2
+    assert gguf.GGUFReader is CountedReader
+    # sharing the parse changes no weight: the very bits transformers' own load gives
+    theirs_state = reference.state_dict()
+    assert all(torch.equal(value, theirs_state[name]) for name, value in model.state_dict().items())
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     assert ids.shape[1] > 10
     with torch.no_grad():
@@ -35,6 +54,38 @@ def test_gguf_load_matches_transformers(gguf_path, smollm2):
     assert (ours - theirs).abs().max().item() < 1e-5
     assert (cached - theirs).abs().max().item() < 1e-5
     assert theirs.abs().max().item() > 1.0  # real logits, not an empty forward
+
+
+def _write_gguf(path, name: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def test_a_gguf_file_is_parsed_once_inside_the_block_and_again_when_it_changes(tmp_path):
+    import gguf
+
+    from retrofit.gguf_files import parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "first")
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with parsed_once():
+        first = gguf.GGUFReader(path)
+        with parsed_once():  # a nested load shares the outer block's parses
+            assert gguf.GGUFReader(str(path)) is first
+        assert gguf.GGUFReader(path) is first  # the inner block's end keeps the outer one's memo
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        _write_gguf(path, "second, rewritten")  # another size: read again, not the stale parse
+        second = gguf.GGUFReader(path)
+        assert second is not first
+        assert bytes(second.fields["general.name"].parts[-1]).decode() == "second, rewritten"
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # outside the block: a parse per call, as before
 
 
 def test_alias_is_the_reference_model(smollm2):
