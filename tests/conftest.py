@@ -62,8 +62,75 @@ def _remember_interpreter_builtins() -> None:
     interpreter._patch_builtin = patch_builtin
 
 
+def _remember_numpy_dtypes() -> None:
+    """Make the Triton interpreter's dtype lookup a dictionary read; the arrays it makes are unchanged.
+
+    The interpreter maps a Triton dtype to the numpy dtype of its arrays at almost every operation, and each time
+    builds its table of 18 numpy dtypes anew: about 300,000 times (7% of the run) in one KDA forward and backward at
+    T = 75. The mapping of a dtype never changes, so this builds each entry once: a block type maps as its element
+    type, a pointer as uint64, a scalar type (equal and hashed by name) as the interpreter's own table says. Where
+    the interpreter's internals differ from the ones this was written against, it leaves them alone.
+    """
+    import inspect
+
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or list(inspect.signature(original).parameters) != ["tt_dtype"]:
+        return
+    pointer = np.dtype(np.uint64)
+    by_name: dict[str, object] = {}
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        found = by_name.get(tt_dtype.name)
+        if found is None:
+            found = by_name[tt_dtype.name] = original(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _remember_interpreter_builtins()
+    _remember_numpy_dtypes()
+
+def _frame_runway():
+    """A function that calls ``call(*args)`` from a frame of 65,538 local slots (512 KiB), so that the frames below it
+    share one 1 MiB chunk of CPython's frame stack instead of allocating and freeing chunks as they come and go.
+
+    CPython 3.11 keeps a thread's Python frames in 16 KiB chunks and frees a chunk as soon as its first frame returns
+    (``_PyThreadState_PopFrame``): a hot call chain that straddles a chunk's end maps and unmaps 16 KiB on every
+    call. The Triton interpreter's per-operation calls and eager decoding below pytest's own frames do, depending on
+    the depth they start at: 128,000 ``mmap``/``munmap`` pairs in one fused-decode test (strace), whose CPU time was
+    then more than half system time. A chunk is sized to its first frame (16 KiB doubled until it fits), so a frame
+    this large gets a 1 MiB chunk with about 500 KiB left for the frames called from it; measured on 2 CPU cores, 3
+    fused-decode and generation tests: 43 -> 35 s, system time 7.4 -> 0.9 s. The tests run the same code.
+    """
+    slots = "=".join(f"_{index}" for index in range(65536))
+    source = f"def runway(call, *args):\n    if call is None:\n        {slots} = None\n    return call(*args)\n"
+    namespace: dict = {}
+    exec(compile(source, "<frame runway>", "exec"), namespace)
+    return namespace["runway"]
+
+
+_runway = _frame_runway()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """pytest's own protocol for the item (setup, call, teardown, reports), called from the runway above."""
+    from _pytest import runner
+
+    return _runway(runner.pytest_runtest_protocol, item, nextitem)
+
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("RETROFIT_SHARED_DATA", REPO.parent / "shared" / "data"))
