@@ -17,7 +17,6 @@ Loading".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ print(time.perf_counter() - began)
 """,
 }
 FIRST_USE = """
-import contextlib, importlib, os, time
+import contextlib, importlib, os, sys, time
 from pathlib import Path
 loading = importlib.import_module("retrofit.load")   # the module (retrofit.load is also the function's name)
 path = loading.reference_gguf("smollm2-135m")
@@ -54,20 +53,22 @@ empty = Path(os.environ["EMPTY_CACHE"]) / "smollm2-135m"
 empty.mkdir(parents=True)
 os.symlink(path, empty / path.name)
 os.environ["RETROFIT_CACHE"] = str(empty.parent)
-if os.environ["SHARED_PARSE"] == "0":
+if sys.argv[1] == "without":
     loading.parsed_once = contextlib.nullcontext   # transformers' three parses, as before 2026-12-04
 began = time.perf_counter()
 loading.reference_checkpoint("smollm2-135m")
 print(time.perf_counter() - began)
 """
-TIMED["first use, three parses"] = FIRST_USE.replace('os.environ["SHARED_PARSE"]', '"0"')
-TIMED["first use"] = FIRST_USE.replace('os.environ["SHARED_PARSE"]', '"1"')
+TIMED["first use, three parses"] = FIRST_USE  # its argument: the shared parse "with" or "without"
+TIMED["first use"] = FIRST_USE
+SHARED_PARSE = {"first use, three parses": "without"}
 
 
 def _time_once(name: str, code: str) -> float:
     with tempfile.TemporaryDirectory() as empty:
         env = {**os.environ, "EMPTY_CACHE": empty, "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=empty)
+        done = subprocess.run([sys.executable, "-c", code, SHARED_PARSE.get(name, "with")], capture_output=True,
+                              text=True, env=env, cwd=empty)
     if done.returncode != 0:
         raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1]}")
     return float(done.stdout.strip().splitlines()[-1])
@@ -91,8 +92,9 @@ def main() -> None:
         print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{run:.2f}' for run in runs)} | "
               f"{medians[baseline] / medians[name]:.2f}x vs {baseline} |")
     if args.json:
-        args.json.write_text(json.dumps({"seconds": seconds, "medians": medians,
-                                         "threads": os.environ.get("OMP_NUM_THREADS")}, indent=1) + "\n")
+        from retrofit.atomic import write_json
+
+        write_json(args.json, {"seconds": seconds, "medians": medians, "threads": os.environ.get("OMP_NUM_THREADS")})
 
 
 if __name__ == "__main__":

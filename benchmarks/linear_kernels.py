@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -490,10 +489,10 @@ def markdown(rows: list[Row]) -> str:
 
 
 def write_json(path: str, payload: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-    os.replace(tmp, path)
+    """``payload`` as indented JSON (values JSON has no type for as their text), written atomically."""
+    from retrofit.atomic import write_text
+
+    write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

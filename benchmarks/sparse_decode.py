@@ -14,8 +14,6 @@ bytes each method holds per layer and sequence, and the "bytes floor" (metadata 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -194,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows, memory))
     if args.json:
         payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "memory": memory}
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2))
-        os.replace(tmp, args.json)
+        from retrofit.atomic import write_json
+
+        write_json(args.json, payload)
     return 0
 
 
