@@ -102,6 +102,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _remember_interpreter_builtins()
     _remember_numpy_dtypes()
 
+
 def _frame_runway():
     """A function that calls ``call(*args)`` from a frame of 65,538 local slots (512 KiB), so that the frames below it
     share one 1 MiB chunk of CPython's frame stack instead of allocating and freeing chunks as they come and go.
@@ -112,7 +113,9 @@ def _frame_runway():
     the depth they start at: 128,000 ``mmap``/``munmap`` pairs in one fused-decode test (strace), whose CPU time was
     then more than half system time. A chunk is sized to its first frame (16 KiB doubled until it fits), so a frame
     this large gets a 1 MiB chunk with about 500 KiB left for the frames called from it; measured on 2 CPU cores, 3
-    fused-decode and generation tests: 43 -> 35 s, system time 7.4 -> 0.9 s. The tests run the same code.
+    fused-decode and generation tests: 43 -> 35 s, system time 7.4 -> 0.9 s. The tests run the same code. CPython
+    releases of 3.13 and 3.14 made since March 2026 keep one spare chunk instead (python/cpython gh-142183); there
+    the runway changes nothing.
     """
     slots = "=".join(f"_{index}" for index in range(65536))
     source = f"def runway(call, *args):\n    if call is None:\n        {slots} = None\n    return call(*args)\n"
