@@ -11,8 +11,7 @@ Each path runs in a fresh process (imports done before the clock starts), altern
     OMP_NUM_THREADS=1 python benchmarks/gguf_load.py --repeats 3 --json OUT.json
 
 Medians are printed with each path's speed-up over its baseline (transformers' load; the first use with three
-parses). Results in BENCHMARKS.md, "Current figures >
-Loading".
+parses). Results in BENCHMARKS.md, "Current figures > Loading".
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TIMED = {
-    "transformers": """
+TRANSFORMERS = """
 import time, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from retrofit.load import reference_gguf
@@ -34,16 +32,15 @@ began = time.perf_counter()
 AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
 AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 print(time.perf_counter() - began)
-""",
-    "retrofit": """
+"""
+RETROFIT = """
 import time, retrofit
 from retrofit.load import reference_gguf
 path = reference_gguf("smollm2-135m")
 began = time.perf_counter()
 retrofit.load(path)
 print(time.perf_counter() - began)
-""",
-}
+"""
 FIRST_USE = """
 import contextlib, importlib, os, sys, time
 from pathlib import Path
@@ -59,16 +56,20 @@ began = time.perf_counter()
 loading.reference_checkpoint("smollm2-135m")
 print(time.perf_counter() - began)
 """
-TIMED["first use, three parses"] = FIRST_USE  # its argument: the shared parse "with" or "without"
-TIMED["first use"] = FIRST_USE
-SHARED_PARSE = {"first use, three parses": "without"}
+# name -> (the timed program, its argument, the name it is compared with)
+TIMED = {
+    "transformers": (TRANSFORMERS, "", "transformers"),
+    "retrofit": (RETROFIT, "", "transformers"),
+    "first use, three parses": (FIRST_USE, "without", "first use, three parses"),
+    "first use": (FIRST_USE, "with", "first use, three parses"),
+}
 
 
-def _time_once(name: str, code: str) -> float:
+def _time_once(name: str, code: str, argument: str) -> float:
     with tempfile.TemporaryDirectory() as empty:
         env = {**os.environ, "EMPTY_CACHE": empty, "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run([sys.executable, "-c", code, SHARED_PARSE.get(name, "with")], capture_output=True,
-                              text=True, env=env, cwd=empty)
+        done = subprocess.run([sys.executable, "-c", code, argument], capture_output=True, text=True, env=env,
+                              cwd=empty)
     if done.returncode != 0:
         raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1]}")
     return float(done.stdout.strip().splitlines()[-1])
@@ -83,12 +84,12 @@ def main() -> None:
         parser.error("--repeats must be at least 1")
     seconds: dict[str, list[float]] = {name: [] for name in TIMED}
     for _ in range(args.repeats):
-        for name, code in TIMED.items():
-            seconds[name].append(_time_once(name, code))
+        for name, (code, argument, _) in TIMED.items():
+            seconds[name].append(_time_once(name, code, argument))
     medians = {name: statistics.median(runs) for name, runs in seconds.items()}
     print("| load | median s | runs (s) | speed-up |\n|---|---:|---|---:|")
     for name, runs in seconds.items():
-        baseline = "first use, three parses" if name.startswith("first use") else "transformers"
+        baseline = TIMED[name][2]
         print(f"| {name} | {medians[name]:.2f} | {', '.join(f'{run:.2f}' for run in runs)} | "
               f"{medians[baseline] / medians[name]:.2f}x vs {baseline} |")
     if args.json:
