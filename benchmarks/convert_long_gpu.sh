@@ -15,6 +15,20 @@ stage=${1:?convert|report}
 out=${OUT:-out}
 mkdir -p "$out" runs
 
+# Progress bars arrive as carriage-return redraws: one line per redraw once turned into newlines. Keep the last line
+# of each run of redraws of one bar (its text before "NN%|") and drop blank lines, so that a log holds each bar's
+# final state beside the run's own output (a line is held back only while its bar may still redraw).
+progress_cut() {
+  tr '\r' '\n' | awk '
+    /^[[:space:]]*$/ { next }
+    { key = ""; if (match($0, /: +[0-9]+%[|]/)) key = substr($0, 1, RSTART - 1) }
+    key != "" && key == held_key { held = $0; next }
+    { if (held != "") print held; held = ""; held_key = key }
+    key != "" { held = $0; next }
+    { print; fflush() }
+    END { if (held != "") print held }'
+}
+
 case "$stage" in
 convert)
   minutes=${2:?MINUTES}; calib=${3:?CALIB_DIR}; shift 3
@@ -26,7 +40,7 @@ convert)
     (
       start=$(date +%s)
       retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "runs/$name" --device cuda \
-        --no-report --max-minutes "$minutes" "${resume[@]}" 2>&1 | tr '\r' '\n' >>"$out/convert_$name.log"
+        --no-report --max-minutes "$minutes" "${resume[@]}" 2>&1 | progress_cut >>"$out/convert_$name.log"
       code=${PIPESTATUS[0]}
       echo "convert $name exit $code after $(( $(date +%s) - start )) s" | tee -a "$out/convert_$name.log"
     ) &
@@ -45,7 +59,7 @@ report)
     if [ -f "runs/$name/config.json" ]; then hybrids+=(--hybrid "runs/$name"); else echo "$name: not finished"; fi
   done
   retrofit eval smollm2-135m --report --data-dir "$evaldir" --num-seeds "$seeds" "${hybrids[@]}" --device cuda \
-    --batch-size 32 --json "$out/report.json" 2>&1 | tr '\r' '\n' | grep -v "%|" | tee "$out/report.md"
+    --batch-size 32 --json "$out/report.json" 2>&1 | progress_cut | grep -v "%|" | tee "$out/report.md"
   ;;
 *)
   echo "usage: convert_long_gpu.sh convert MINUTES CALIB_DIR RECIPE... | report EVAL_DIR SEEDS RECIPE..." >&2
