@@ -142,6 +142,7 @@ ROWS = [
     (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--lora-rank", "0", "--lr-lora", "1e-4"],
      "--lr-lora applies to LoRA"),
     (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--recipe", "{missing}"], "not found"),
+    (["convert", *CONVERT, "--data", "{calib}", "--no-report", "--recipe", "{empty_recipe}"], "empty (no settings)"),
     (["convert", "smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--data", "{calib}", "--no-report", "--out",
       "{dense_dir}"], "exists; pass --overwrite"),
     # --- gates (Seer's gate training): data and output
@@ -225,6 +226,8 @@ def bad_files(tmp_path_factory, eval_data_dir, calib_data_dir, smollm2):
     paths["random_text"].write_bytes(b"\xff\xfe" + random.Random(3).randbytes(50_000))
     paths["damaged_gates"] = root / "damaged.gates"  # its training checkpoint is random bytes
     (root / "damaged.gates.ckpt").write_bytes(random.Random(4).randbytes(5_000))
+    paths["empty_recipe"] = root / "recipe.yaml"  # what a failed substitution into a recipe template leaves
+    paths["empty_recipe"].write_text("")
     paths["blank_text"] = root / "blank.txt"
     paths["blank_text"].write_text("  \n\n  ")
     paths["control_text"] = root / "control.txt"

@@ -89,13 +89,13 @@ class LayerAligner(nn.Module):
     def backward_layer_by_layer(self, records: dict[int, dict]) -> float:
         """The gradients of ``self(records).backward()``, computed one layer at a time (the records are detached, so
         each layer's loss reaches only its own parameters): one layer's autograd graph alive at a time instead of
-        all of them. Returns the loss value."""
-        total = 0.0
+        all of them. Returns the loss value (read once: each read on the host waits for the device)."""
+        total = torch.zeros((), device=next(iter(records.values()))["target"].device)
         for key in self.converted:
             loss = self.layer_loss(int(key), records) / len(self.converted)
             loss.backward()
-            total += float(loss.detach())
-        return total
+            total += loss.detach().float()
+        return float(total)
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -42,9 +42,11 @@ def load_recipe(path: str | os.PathLike | None) -> dict:
             raise RetrofitError(f"recipe {path} not found (a YAML file, or a shipped name like smollm2-135m/cpu-small)")
         candidate = shipped
     try:
-        values = yaml.safe_load(candidate.read_text()) or {}
+        values = yaml.safe_load(candidate.read_text())
     except yaml.YAMLError as err:
         raise RetrofitError(f"recipe {candidate}: invalid YAML ({str(err).splitlines()[0]})") from None
+    if values is None:  # an empty file (a truncated copy, a failed substitution) would convert on every default
+        raise RetrofitError(f"recipe {candidate}: empty (no settings)")
     if not isinstance(values, dict):
         raise RetrofitError(f"recipe {candidate}: expected a mapping of settings")
     unknown = set(values) - RECIPE_KEYS - set(DistillConfig.field_names())
