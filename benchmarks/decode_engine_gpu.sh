@@ -10,6 +10,11 @@
 set -euo pipefail
 OUT=${1:?usage: decode_engine_gpu.sh OUT_DIR}
 mkdir -p "$OUT"
+# the GPU tests read the evaluation and calibration data: refuse at once where they would fail one by one
+if [ -z "${RETROFIT_SHARED_DATA:-}" ] && [ ! -d ../shared/data ]; then
+  echo "decode_engine_gpu.sh: no ../shared/data here; set RETROFIT_SHARED_DATA to the folder holding eval/ and calib/" >&2
+  exit 2
+fi
 python -m pytest -q -m gpu tests/test_generation_gpu.py tests/test_bench.py 2>&1 | tee "$OUT/gpu_tests.log"
 python benchmarks/decode_overhead.py --device cuda --json "$OUT/decode_overhead_cuda.json" | tee "$OUT/decode_overhead_cuda.md"
 python benchmarks/decode_kernel_time.py --context 4096 --batch 1 --json "$OUT/kernel_time_4k_b1.json" | tee "$OUT/kernel_time_4k_b1.md"

@@ -11,6 +11,7 @@ costs does not depend on the text.
     python benchmarks/distill_step.py --device cuda --random       # H200: ms per step at 1K/4K/8K, random weights of
                                                                    # SmolLM2-135M's shapes, + kernel launches per step
     ... --batch-size 16 --grad-accum 1                             # the same tokens per step in one micro-batch
+    ... --layers 3-6,9,11-13,16,24-29 --layer-type kda             # another hybrid (here kda-15of30's layers)
     ... --retrofit-from DIR                                        # import retrofit from DIR (an older checkout), to
                                                                    # measure a change side by side
 
@@ -50,9 +51,10 @@ from retrofit.bench.overhead import DispatchCount  # noqa: E402
 from retrofit.convert.build import to_hybrid  # noqa: E402
 from retrofit.convert.distill import Distiller  # noqa: E402
 from retrofit.convert.plan import DistillConfig  # noqa: E402
+from retrofit.convert.selection import parse_layer_spec  # noqa: E402
 from retrofit.hybrid import HybridSection  # noqa: E402
 
-LAYERS = [11, 12, 24, 25, 26, 27, 28, 29]
+LAYERS = "11,12,24-29"  # what the scored selector chose for the kda-8of30* recipes
 
 
 class StepClock:
@@ -105,10 +107,11 @@ def one_stage(dense, args, device: torch.device, stage: int, window: int) -> dic
     per_micro = max(1, args.batch_size * seq_len // window)
     pools = {seq_len: torch.randint(vocab, (args.batch_size * args.grad_accum * steps, seq_len), generator=generator),
              window: torch.randint(vocab, (per_micro * args.grad_accum * steps, window), generator=generator)}
-    section = HybridSection(layers=LAYERS, layer_type="kda", base_model_type=dense.config.model_type)
+    layers = list(parse_layer_spec(args.layers, dense.config.num_hidden_layers).indices)
+    section = HybridSection(layers=layers, layer_type=args.layer_type, base_model_type=dense.config.model_type)
     hybrid = to_hybrid(dense, section, share_weights=False)
     clock = StepClock(device, args.warmup, args.steps, count=args.count)
-    distiller = Distiller(dense, hybrid, LAYERS, config, pools, Path(args.work_dir), {"benchmark": True}, device,
+    distiller = Distiller(dense, hybrid, layers, config, pools, Path(args.work_dir), {"benchmark": True}, device,
                           show_progress=False, on_step=clock)
     if stage == 1:
         distiller.stage1()
@@ -137,6 +140,8 @@ def main() -> None:
     parser.add_argument("--random", action="store_true", help="random weights of SmolLM2-135M's shapes")
     parser.add_argument("--windows", default="1024,4096,8192", help="stage 2's window lengths")
     parser.add_argument("--seq-len", type=int, default=None, help="stage 1's window (default 1024; 64 on the CPU)")
+    parser.add_argument("--layers", default=LAYERS, help="the converted layers (retrofit convert's --layers forms)")
+    parser.add_argument("--layer-type", default="kda", help="gdn or kda")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
@@ -168,7 +173,8 @@ def main() -> None:
         if args.profile and device.type == "cuda":
             rows[-1]["kernel_launches"] = kernel_launches(dense, args, device, window)
     tokens_per_step = args.batch_size * args.grad_accum * args.seq_len
-    header = (f"retrofit from {Path(retrofit.__file__).parent.parent}; {device}; micro-batch {args.batch_size} x "
+    header = (f"retrofit from {Path(retrofit.__file__).parent.parent}; {device}; {args.layer_type} at layers "
+              f"{args.layers}; micro-batch {args.batch_size} x "
               f"{args.seq_len} tokens, {args.grad_accum} per step ({tokens_per_step} tokens); {args.steps} steps after "
               f"{args.warmup}")
     print(header)

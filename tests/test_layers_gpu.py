@@ -6,6 +6,7 @@ import torch
 from _testing import rel_rms
 from transformers import DynamicCache
 
+from retrofit.generation.inputs import cache_keyword
 from retrofit.hybrid import load_hybrid
 from retrofit.convert.pipeline import convert
 from retrofit.layers import LAYER_TYPES, AttentionShape, LinearAttentionSpec
@@ -47,9 +48,9 @@ def test_gpu_conversion_decodes_like_full_forward(smollm2, calib_data_dir, tmp_p
     ids = torch.randint(0, 49000, (2, 90), device="cuda")
     with torch.no_grad():
         full = model(ids).logits
-        cache = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :70], past_key_values=cache, use_cache=True).logits]
+        cache = {cache_keyword(model): DynamicCache(config=model.config)}  # `cache` from transformers 5.2x
+        pieces = [model(ids[:, :70], use_cache=True, **cache).logits]
         for t in range(70, 90):
-            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            pieces.append(model(ids[:, t:t + 1], use_cache=True, **cache).logits)
     # fp32 (tf32 off by default in torch matmuls); the task's bar is 1e-3
     assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-3

@@ -18,6 +18,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from retrofit.generation.inputs import cache_keyword
 from retrofit.kernels.sparse_decode import selected_positions
 from retrofit.sparse import METHODS, SparseCache, SparseLayer, sparse_decoding
 from retrofit.sparse.methods.seer.training import train_gates
@@ -215,16 +216,21 @@ def test_explicit_cache_and_forward_calls(smollm2):
     """A forward pass with an explicit SparseCache, then decode steps by hand, match the dense logits (fp32)."""
     model, tokenizer = smollm2
     inputs = _inputs(tokenizer)
+    keyword = cache_keyword(model)  # `cache` from transformers 5.2x (`past_key_values` goes in 5.40), before it the old
+
+    def cache_of(output):
+        return output.cache if "cache" in output else output.past_key_values
+
     with torch.no_grad():
         dense = model(**inputs)
         step = dense.logits[:, -1:].argmax(-1)
         mask = torch.cat([inputs.attention_mask, torch.ones_like(step)], -1)
-        dense_next = model(input_ids=step, attention_mask=mask, past_key_values=dense.past_key_values).logits
+        dense_next = model(input_ids=step, attention_mask=mask, **{keyword: cache_of(dense)}).logits
         with sparse_decoding(model, method="quest", budget=512, dense_layers=()) as session:
             cache = session.new_cache()
-            out = model(**inputs, past_key_values=cache)
-            sparse_next = model(input_ids=step, attention_mask=mask, past_key_values=cache).logits
-    assert out.past_key_values is cache
+            out = model(**inputs, **{keyword: cache})
+            sparse_next = model(input_ids=step, attention_mask=mask, **{keyword: cache}).logits
+    assert cache_of(out) is cache
     assert torch.equal(out.logits, dense.logits)  # prefill runs the original (SDPA) path: bit-identical
     # decode: same keys, different summation order (reference gather + softmax vs SDPA); fp32 rounding only
     assert (sparse_next - dense_next).abs().max() < 1e-3
