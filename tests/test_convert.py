@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import retrofit
 from retrofit.convert.checkpoint import STATE_FILE, work_dir_for
+from retrofit.convert.parts import PARTS_FILE
 from retrofit.convert.command import convert_command
 from retrofit.convert.build import to_hybrid
 from retrofit.hybrid import HybridSection, load_hybrid, register, save_hybrid
@@ -322,8 +323,11 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     assert "time budget reached at stage 2, step 1" in paused.stderr and not out.exists()
     state = torch.load(work_dir_for(out) / STATE_FILE, map_location="cpu", weights_only=False)
     assert (state["stage"], state["step"], state["fingerprint"]["config"]["parallel"]) == (2, 1, "fsdp")
-    # the paused part's wall time is kept for the summary of the finished run ("minutes (all parts)")
-    assert float((work_dir_for(out) / "elapsed_seconds").read_text()) > 0
+    # the paused part's wall time and peak memory are kept for the summary of the finished run
+    parts = json.loads((work_dir_for(out) / PARTS_FILE).read_text())
+    assert parts["seconds"] > 0 and parts["peak_memory_measure"] == "max RSS of the converting process"
+    # rank 0's resident set holds the float32 dense model (0.54 GB) and its hybrid copy at least, and fits this machine
+    assert 1.0e9 < parts["peak_memory_bytes"] < 24 * 2 ** 30
     one = stage2_one_process
     converted = {name: value for name, value in state["model"].items() if "lora_" not in name}
     assert converted and all(name.startswith("base_model.model.model.layers.27.self_attn.") for name in converted)
@@ -336,6 +340,12 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
 
     resumed = _torchrun_convert(calib_data_dir, tmp_path, "--parallel", "fsdp", "--resume", "--out", out)
     assert resumed.returncode == 0, _ranks_stderr(resumed, tmp_path)
+    # rank 0's summary row (torchrun's --tee prefixes each line with the rank): "| OUT | gdn | 27 | TOKENS | minutes
+    # of all parts | the largest part's peak in GiB |"; both parts added up, so never under the paused part's own
+    row = next(line for line in resumed.stdout.splitlines() if "| gdn | 27 |" in line)
+    minutes, peak_gib = (float(cell) for cell in row.strip().strip("|").split("|")[-2:])
+    assert minutes >= round(parts["seconds"] / 60, 1) and peak_gib >= round(parts["peak_memory_bytes"] / 2 ** 30, 2)
+    assert "peak memory: max RSS of the converting process" in resumed.stdout
     fsdp = load_file(out / "model.safetensors")
     assert one.keys() == fsdp.keys()
     worst = max((one[k] - fsdp[k]).abs().max().item() for k in one)

@@ -58,11 +58,12 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     import time
 
     from retrofit.convert.distill import TrainingPaused
+    from retrofit.convert.parts import PartsSoFar, parts_so_far, process_peak_memory, record_parts
     from retrofit.devices import is_first_process
     from retrofit.convert.pipeline import convert
 
     start = time.time()
-    earlier = _seconds_so_far(out) if resume and out else 0.0
+    earlier = parts_so_far(out) if resume and out else PartsSoFar()
     try:
         path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
@@ -73,41 +74,21 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        parallel=parallel)
     except TrainingPaused as paused:
         if is_first_process():
-            _record_seconds(out, earlier + time.time() - start)
+            record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
     if is_first_process():
         import json
 
         section = json.loads((path / "config.json").read_text())["retrofit"]
-        click.echo("| hybrid | layer type | converted layers | tokens | minutes (all parts) |")
-        click.echo("|---|---|---|---:|---:|")
+        parts = earlier.plus(time.time() - start, *process_peak_memory())
+        click.echo("| hybrid | layer type | converted layers | tokens | minutes (all parts) | peak memory (GiB, "
+                   "the largest part's) |")
+        click.echo("|---|---|---|---:|---:|---:|")
         click.echo(f"| {path} | {section['layer_type']} | {','.join(map(str, section['layers']))} | "
-                   f"{section['distillation'].get('tokens')} | {(earlier + time.time() - start) / 60:.1f} |")
-
-
-def _seconds_file(out: str):
-    from retrofit.convert.checkpoint import work_dir_for
-
-    return work_dir_for(out) / "elapsed_seconds"
-
-
-def _seconds_so_far(out: str) -> float:
-    """Wall seconds spent by the earlier, paused parts of a resumed conversion (0 when none were recorded)."""
-    path = _seconds_file(out)
-    try:
-        return float(path.read_text())
-    except (OSError, ValueError):
-        return 0.0
-
-
-def _record_seconds(out: str, seconds: float) -> None:
-    """Remember the wall time of all parts so far beside the training checkpoint (temp file, then rename)."""
-    from retrofit.atomic import write_text
-
-    path = _seconds_file(out)
-    if path.parent.is_dir():
-        write_text(path, f"{seconds:.1f}")
+                   f"{section['distillation'].get('tokens')} | {parts.seconds / 60:.1f} | "
+                   f"{parts.peak_memory_bytes / 2 ** 30:.2f} |")
+        click.echo(f"peak memory: {parts.peak_memory_measure}")
 
 
 SELECT_EXAMPLES = """

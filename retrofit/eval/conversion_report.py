@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 
 from retrofit.cliargs import parse_lengths
+from retrofit.convert.parts import PartsSoFar
 from retrofit.devices import peak_rss_bytes
 from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
@@ -213,9 +214,10 @@ def measure_conversion(device: torch.device) -> Iterator[ConversionCost]:
         cost.peak_memory_measure = "max RSS of the converting process"
 
 
-def conversion_facts(out: Path, cost: ConversionCost, earlier_seconds: float, model: str, recipe: str | None,
+def conversion_facts(out: Path, cost: ConversionCost, earlier: PartsSoFar, model: str, recipe: str | None,
                      calibration: list[Path]) -> dict[str, object]:
-    """``config["conversion"]``: the saved hybrid's retrofit section (layers, distillation) with the cost."""
+    """``config["conversion"]``: the saved hybrid's retrofit section (layers, distillation) with the cost of all
+    its parts (``earlier``: the paused parts before this one; seconds added, the largest peak)."""
     from retrofit.model_files import read_config
 
     section = read_config(out)["retrofit"]
@@ -225,11 +227,13 @@ def conversion_facts(out: Path, cost: ConversionCost, earlier_seconds: float, mo
     trained = distillation.get("tokens_trained")  # every phase at its own tokens per step
     if trained is None and counted:  # a hybrid saved before stage 2 had phases: one tokens-per-step for both stages
         trained = (stage1 + stage2) * per_step
+    parts = earlier.plus(cost.seconds, cost.peak_memory_bytes, cost.peak_memory_measure)
     return {"model": model, "recipe": recipe, "out": str(out), "layer_type": section.get("layer_type"),
             "layers": section.get("layers"), "calibration_files": [str(path) for path in calibration],
-            "seconds": earlier_seconds + cost.seconds, "seconds_this_part": cost.seconds,
+            "seconds": parts.seconds, "seconds_this_part": cost.seconds,
             "tokens": trained, "token_budget": distillation.get("tokens"),
-            "peak_memory_bytes": cost.peak_memory_bytes, "peak_memory_measure": cost.peak_memory_measure,
+            "peak_memory_bytes": parts.peak_memory_bytes, "peak_memory_measure": parts.peak_memory_measure,
+            "peak_memory_bytes_this_part": cost.peak_memory_bytes,
             "peak_rss_bytes": cost.peak_rss_bytes, "device": str(cost.device), "distillation": distillation}
 
 

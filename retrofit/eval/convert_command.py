@@ -68,7 +68,7 @@ def _convert_then_report(**values) -> None:
 
     import torch
 
-    from retrofit.convert.command import _seconds_so_far
+    from retrofit.convert.parts import PartsSoFar, parts_so_far
     from retrofit.convert.data import calibration_files
     from retrofit.convert.pipeline import load_recipe
     from retrofit.devices import parse_device
@@ -94,7 +94,7 @@ def _convert_then_report(**values) -> None:
     jobs = prepare_report(settings, values["model"], calibration)
     device = parse_device(values["device"] or recipe.get("device"))
     out = Path(values["out"])
-    earlier = _seconds_so_far(values["out"]) if values["resume"] else 0.0
+    earlier = parts_so_far(values["out"]) if values["resume"] else PartsSoFar()
     with measure_conversion(device) as cost:
         conversion_command.callback(**values)
     if not is_first_process():
