@@ -47,6 +47,7 @@ def _import_path(argv: list[str]) -> Path:
 
 sys.path.insert(0, str(_import_path(sys.argv)))
 
+from retrofit.atomic import write_json  # noqa: E402
 from retrofit.bench.overhead import DispatchCount  # noqa: E402
 from retrofit.convert.build import to_hybrid  # noqa: E402
 from retrofit.convert.distill import Distiller  # noqa: E402
@@ -152,6 +153,9 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/distill_step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:  # the clock starts when the last warm-up step ends
+        print("distill_step.py: error: --warmup and --steps need at least 1 step each", file=sys.stderr)
+        raise SystemExit(2)
     device = torch.device(args.device)
     args.count = args.count or device.type == "cpu"
     if args.seq_len is None:
@@ -187,7 +191,7 @@ def main() -> None:
               f"{row.get('ops', float('nan')):.0f} | {row.get('kernels', float('nan')):.0f} | {syncs} | "
               f"{row.get('kernel_launches', float('nan')):.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"setting": header, "rows": rows}, indent=1))
+        write_json(args.json, {"setting": header, "rows": rows})  # temp file, then rename
 
 
 if __name__ == "__main__":

@@ -42,6 +42,16 @@ def step_seconds(rows: list[dict]) -> tuple[float, dict[int, float]]:
     return stage1[0], stage2
 
 
+def read_rows(path: str) -> list[dict]:
+    """The rows of a ``distill_step.py --json`` file."""
+    try:
+        return json.loads(Path(path).read_text())["rows"]
+    except OSError as err:
+        raise RetrofitError(f"--steps {path}: {err.strerror}") from None
+    except (ValueError, KeyError, TypeError):
+        raise RetrofitError(f"--steps {path}: not the JSON of distill_step.py --json") from None
+
+
 def predicted_seconds(config: DistillConfig, stage1: float, stage2: dict[int, float], fixed: float) -> float:
     """Seconds a conversion with ``config`` takes: its plan's steps at the measured times, plus ``fixed``."""
     plan = Plan.from_config(config)
@@ -69,7 +79,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="where to write the sized recipe")
     args = parser.parse_args()
     try:
-        stage1, stage2 = step_seconds(json.loads(Path(args.steps).read_text())["rows"])
+        stage1, stage2 = step_seconds(read_rows(args.steps))
+        if not Path(args.recipe).is_file():  # its text is rewritten: a file, not a shipped name
+            raise RetrofitError(f"--recipe {args.recipe}: not a file (give the YAML's path)")
         recipe = load_recipe(args.recipe)
         settings = {key: value for key, value in recipe.items() if key in DistillConfig.field_names()}
         budget = args.minutes * 60

@@ -57,3 +57,20 @@ def test_a_budget_nothing_fits_is_refused_in_one_line(tmp_path):
     assert result.returncode == 2 and not (tmp_path / "sized.yaml").exists()
     assert result.stderr.strip().splitlines() == [
         "tokens_for_minutes.py: error: not even 1,000,000 tokens fit 1.0 minutes at these step times"]
+
+
+def test_missing_steps_and_a_recipe_name_are_refused_in_one_line(tmp_path):
+    def size(steps: Path, recipe: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--recipe", recipe, "--minutes",
+                               "16", "--fixed-seconds", "115", "--out", str(tmp_path / "sized.yaml")],
+                              capture_output=True, text=True, timeout=120)
+
+    missing = size(tmp_path / "none.json", str(RECIPE))
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"tokens_for_minutes.py: error: --steps {tmp_path / 'none.json'}: No such file or directory"]
+    (tmp_path / "other.json").write_text("{}")
+    other = size(tmp_path / "other.json", str(RECIPE))
+    assert other.returncode == 2 and other.stderr.strip().endswith("not the JSON of distill_step.py --json")
+    assert _size(tmp_path, 16.0).returncode == 0  # writes steps.json beside, then a shipped name instead of a path:
+    named = size(tmp_path / "steps.json", "smollm2-135m/kda-15of30-b16")
+    assert named.returncode == 2 and named.stderr.strip().endswith("not a file (give the YAML's path)")
