@@ -9,7 +9,8 @@
 #
 # Hybrids and their training checkpoints go under runs/ (git-ignored: kept between calls while the machine stays
 # warm); logs and JSON go to $OUT (default ./out). A conversion that reaches MINUTES writes a checkpoint and exits 3;
-# the same command resumes it.
+# the same command resumes it. A finished run is converted again only once moved away; one whose recipe has changed
+# since is named as such.
 set -uo pipefail
 stage=${1:?convert|report}
 out=${OUT:-out}
@@ -34,7 +35,13 @@ convert)
   minutes=${2:?MINUTES}; calib=${3:?CALIB_DIR}; shift 3
   for recipe in "$@"; do
     name=$(basename "$recipe" .yaml)
-    [ -f "runs/$name/config.json" ] && { echo "$name: finished already"; continue; }
+    if [ -f "runs/$name/config.json" ]; then
+      if cmp -s "$recipe" "runs/$name.recipe.yaml"; then echo "$name: finished already"
+      else echo "$name: finished from another recipe than $recipe (runs/$name.recipe.yaml); move runs/$name away to convert it again"
+      fi
+      continue
+    fi
+    cp "$recipe" "runs/$name.recipe.yaml"  # the recipe a finished run came from, to tell it from an edited one
     resume=()
     [ -f "runs/$name.train/train_state.pt" ] && resume=(--resume)
     (
@@ -48,6 +55,7 @@ convert)
   wait
   for recipe in "$@"; do  # where each run stands: its last progress line
     name=$(basename "$recipe" .yaml)
+    [ -f "$out/convert_$name.log" ] || continue
     echo "$name: $(grep -a -E '^(stage|scoring)' "$out/convert_$name.log" | grep -a '/' | tail -1)"
   done
   ;;

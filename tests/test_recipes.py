@@ -1,0 +1,62 @@
+"""Every shipped recipe is one a conversion would accept, before any GPU time is spent on it.
+
+A recipe is read by ``retrofit convert`` only once the model is loaded and the calibration text tokenized; a typo in a
+key, a stage-2 share that does not sum to one, a window past the model's positions or a layer spec that converts
+every layer would surface minutes into a run on the GPU. Here each recipe goes through the same parsers the pipeline
+uses, against the real SmolLM2-135M's configuration (30 layers, 8,192 positions).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from retrofit.convert.pipeline import load_recipe
+from retrofit.convert.plan import DistillConfig, Plan
+from retrofit.convert.select_settings import SelectSettings
+from retrofit.convert.selection import parse_layer_spec
+from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = sorted(RECIPES_DIR.glob("*/*.yaml"))
+
+
+def test_the_recipes_are_found():
+    assert len(RECIPES) >= 19, RECIPES  # the 19 of 2026-12-05: a moved folder must not turn this file into no tests
+
+
+@pytest.fixture(scope="module")
+def smollm2_config():
+    """The reference model's own configuration (the real checkpoint, loaded once for this module)."""
+    import retrofit
+
+    model, _ = retrofit.load("smollm2-135m", dtype="float32", device="cpu")
+    return model.config
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recipe_is_accepted_by_the_conversion(path: Path, smollm2_config):
+    recipe = load_recipe(path)  # unknown keys, bad YAML, an empty file: RetrofitError
+    assert recipe["model"] == path.parent.name == "smollm2-135m"
+    assert recipe["to"] in LAYER_TYPES
+    config = DistillConfig(**{key: value for key, value in recipe.items() if key in DistillConfig.field_names()})
+    SelectSettings.from_mapping(recipe.get("select"))
+    LinearAttentionSpec.from_dict(recipe.get("layer_spec") or {})
+    layers = parse_layer_spec(str(recipe.get("layers") or "every:4"), smollm2_config.num_hidden_layers)
+    assert layers.needs_scoring or 0 < len(layers.indices) < smollm2_config.num_hidden_layers
+    assert config.longest_window <= smollm2_config.max_position_embeddings
+    config.stage2_curriculum()  # shares > 0 summing to 1, lengths >= 2: ValueError otherwise
+    plan = Plan.from_config(config)
+    # Whole steps round the budget up: never under it, and over it by less than one step of each phase and stage 1.
+    slack = plan.tokens_per_step + sum(phase.tokens_per_step for phase in plan.phases)
+    assert config.tokens <= plan.tokens_trained < config.tokens + slack
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recipe_says_how_to_run_itself(path: Path):
+    """Each recipe's comment shows the command that converts with it, under its own name (a copied recipe that still
+    names its source would send a reader to the wrong file)."""
+    header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    named = re.findall(r"--recipe (\S+)", header)
+    assert named and set(named) == {f"{path.parent.name}/{path.stem}"}, named
