@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from retrofit.atomic import write_text  # noqa: E402
-from retrofit.convert.pipeline import load_recipe  # noqa: E402
+from retrofit.convert.recipe import find_recipe, load_recipe  # noqa: E402
 from retrofit.convert.plan import DistillConfig, Plan  # noqa: E402
 from retrofit.errors import RetrofitError  # noqa: E402
 
@@ -62,11 +62,29 @@ def predicted_seconds(config: DistillConfig, stage1: float, stage2: dict[int, fl
 
 
 def with_tokens(recipe_text: str, tokens: int) -> str:
-    """The recipe's text with its ``tokens:`` line set to ``tokens`` (comments and order kept)."""
+    """The recipe's text with its ``tokens:`` line set to ``tokens`` (comments and order kept), or with one added
+    where the recipe takes its budget from its base."""
     sized, count = re.subn(r"(?m)^tokens:.*$", f"tokens: {tokens}", recipe_text)
-    if count != 1:
-        raise RetrofitError("the recipe needs exactly one top-level 'tokens:' line to size")
+    if count == 0:
+        return recipe_text.rstrip("\n") + f"\ntokens: {tokens}\n"
+    if count > 1:
+        raise RetrofitError("the recipe has more than one top-level 'tokens:' line")
     return sized
+
+
+def with_base_found_from(recipe_text: str, recipe: Path, out: Path) -> str:
+    """The recipe's text with its ``base:`` (if any) naming the same recipe when read from ``out``'s folder: a base
+    given relative to the recipe's folder becomes an absolute path when the sized recipe is written elsewhere."""
+    found = re.search(r"(?m)^base:[ \t]*['\"]?([^'\"\s]+)['\"]?[ \t]*$", recipe_text)
+    if found is None:
+        return recipe_text
+    meant = find_recipe(found.group(1), relative_to=recipe.parent).resolve()
+    try:
+        if find_recipe(found.group(1), relative_to=out.parent).resolve() == meant:
+            return recipe_text
+    except RetrofitError:
+        pass
+    return recipe_text[:found.start()] + f"base: {meant}" + recipe_text[found.end():]
 
 
 def main() -> None:
@@ -92,7 +110,8 @@ def main() -> None:
         if tokens == 0:
             raise RetrofitError(f"not even {MILLION:,} tokens fit {args.minutes} minutes at these step times")
         config = DistillConfig(**{**settings, "tokens": tokens})
-        write_text(args.out, with_tokens(Path(args.recipe).read_text(), tokens))
+        text = with_base_found_from(Path(args.recipe).read_text(), Path(args.recipe), Path(args.out))
+        write_text(args.out, with_tokens(text, tokens))
     except RetrofitError as err:
         print(f"tokens_for_minutes.py: error: {err}", file=sys.stderr)
         raise SystemExit(2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from retrofit.convert.pipeline import load_recipe
+from retrofit.convert.recipe import load_recipe
 from retrofit.convert.plan import DistillConfig, Plan
 from retrofit.convert.select_settings import SelectSettings
 from retrofit.convert.selection import parse_layer_spec
@@ -60,3 +60,40 @@ def test_recipe_says_how_to_run_itself(path: Path):
     header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
     named = re.findall(r"--recipe (\S+)", header)
     assert named and set(named) == {f"{path.parent.name}/{path.stem}"}, named
+
+
+def _write(folder: Path, name: str, text: str) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_recipe_changes_only_what_it_names_on_its_base(tmp_path):
+    _write(tmp_path, "root", "model: smollm2-135m\nto: kda\ntokens: 1000000\nlr_stage2: 3.0e-4\n"
+                             "select:\n  align_steps: 60\n  retrieval_weight: 0.5\n")
+    child = _write(tmp_path, "child", "base: root\ntokens: 2000000\nselect:\n  retrieval_weight: 0.25\n")
+    grandchild = _write(tmp_path, "grandchild", f"base: {child}\nto: gdn\n")  # a path works as well as a name
+    assert load_recipe(child) == {"model": "smollm2-135m", "to": "kda", "tokens": 2000000, "lr_stage2": 3.0e-4,
+                                  "select": {"align_steps": 60, "retrieval_weight": 0.25}}
+    assert load_recipe(grandchild) == {**load_recipe(child), "to": "gdn"}
+
+
+def test_a_shipped_base_is_found_from_any_folder(tmp_path):
+    derived = _write(tmp_path, "mine", "base: smollm2-135m/kda-8of30-50m-b16\ntokens: 8000000\n")
+    assert load_recipe(derived) == {**load_recipe("smollm2-135m/kda-8of30-50m-b16"), "tokens": 8000000}
+
+
+def test_bad_bases_are_refused_in_one_line(tmp_path):
+    from retrofit.errors import RetrofitError
+
+    _write(tmp_path, "a", "base: b\ntokens: 1000\n")
+    looped = _write(tmp_path, "b", "base: a\n")
+    with pytest.raises(RetrofitError, match=r"^recipe .*a\.yaml: base b leads back to .*b\.yaml") as looped_error:
+        load_recipe(looped)
+    missing = _write(tmp_path, "c", "base: nowhere/none\n")
+    with pytest.raises(RetrofitError, match=r"^recipe .*c\.yaml: base recipe nowhere/none not found") as missing_error:
+        load_recipe(missing)
+    wrong = _write(tmp_path, "d", "base: 3\n")
+    with pytest.raises(RetrofitError, match=r"^recipe .*d\.yaml: base must name a recipe, got 3$"):
+        load_recipe(wrong)
+    assert "\n" not in str(looped_error.value) + str(missing_error.value)

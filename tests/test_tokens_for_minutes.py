@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from retrofit.convert.pipeline import load_recipe
+from retrofit.convert.recipe import load_recipe
 from retrofit.convert.plan import DistillConfig, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +74,24 @@ def test_missing_steps_and_a_recipe_name_are_refused_in_one_line(tmp_path):
     assert _size(tmp_path, 16.0).returncode == 0  # writes steps.json beside, then a shipped name instead of a path:
     named = size(tmp_path / "steps.json", "smollm2-135m/kda-15of30-b16")
     assert named.returncode == 2 and named.stderr.strip().endswith("not a file (give the YAML's path)")
+
+
+def test_a_recipe_on_a_base_beside_it_is_sized_into_another_folder(tmp_path):
+    """A recipe without its own budget gets a ``tokens:`` line, and its base, named relative to its own folder, is
+    still found from the folder the sized recipe is written to."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "parent.yaml").write_text(RECIPE.read_text())
+    child = tmp_path / "mine" / "child.yaml"
+    child.write_text("# on parent, half a stage 2 on 1K windows\nbase: parent\n"
+                     "stage2_lengths: \"1024:0.5,4096:0.3,8192:0.2\"\n")
+    assert _size(tmp_path, 1.0).returncode == 2  # writes steps.json; nothing fits a minute
+    out = tmp_path / "elsewhere" / "sized.yaml"
+    out.parent.mkdir()
+    result = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(tmp_path / "steps.json"), "--recipe",
+                             str(child), "--minutes", "16", "--fixed-seconds", "115", "--out", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    sized = load_recipe(out)
+    assert sized == {**load_recipe(child), "tokens": sized["tokens"]}
+    assert sized["tokens"] != load_recipe(child)["tokens"] and sized["tokens"] % 1_000_000 == 0
+    assert f"base: {(tmp_path / 'mine' / 'parent.yaml').resolve()}" in out.read_text()

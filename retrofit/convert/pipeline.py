@@ -13,46 +13,8 @@ from typing import Callable
 
 import torch
 
+from retrofit.convert.recipe import load_recipe
 from retrofit.errors import RetrofitError
-
-RECIPE_KEYS = {"model", "to", "layers", "data", "tokens", "layer_spec", "device", "select"}
-
-
-def load_recipe(path: str | os.PathLike | None) -> dict:
-    """A recipe YAML -> dict. Keys: model, to, layers, data, tokens, any DistillConfig field, ``layer_spec``
-    (LinearAttentionSpec fields) and ``select`` (scored-selection settings: SelectSettings fields). A bare name
-    such as ``smollm2-135m/cpu-small`` resolves to the recipes shipped with retrofit."""
-    if path is None:
-        return {}
-    import yaml
-
-    from retrofit.convert.distill import DistillConfig
-
-    candidate = Path(path)
-    if not candidate.is_file():
-        shipped = Path(__file__).resolve().parents[2] / "recipes" / f"{path}.yaml"  # source checkout
-        if not shipped.is_file():
-            try:  # installed package
-                from importlib.resources import files
-
-                shipped = Path(str(files("retrofit.recipes").joinpath(f"{path}.yaml")))
-            except (ImportError, TypeError, ValueError):
-                pass
-        if not shipped.is_file():
-            raise RetrofitError(f"recipe {path} not found (a YAML file, or a shipped name like smollm2-135m/cpu-small)")
-        candidate = shipped
-    try:
-        values = yaml.safe_load(candidate.read_text())
-    except yaml.YAMLError as err:
-        raise RetrofitError(f"recipe {candidate}: invalid YAML ({str(err).splitlines()[0]})") from None
-    if values is None:  # an empty file (a truncated copy, a failed substitution) would convert on every default
-        raise RetrofitError(f"recipe {candidate}: empty (no settings)")
-    if not isinstance(values, dict):
-        raise RetrofitError(f"recipe {candidate}: expected a mapping of settings")
-    unknown = set(values) - RECIPE_KEYS - set(DistillConfig.field_names())
-    if unknown:
-        raise RetrofitError(f"recipe {candidate}: unknown key(s) {', '.join(sorted(unknown))}")
-    return values
 
 
 def _refuse_options_that_do_nothing(given: dict, config) -> None:

@@ -70,7 +70,7 @@ def _convert_then_report(**values) -> None:
 
     from retrofit.convert.parts import PartsSoFar, parts_so_far
     from retrofit.convert.data import calibration_files
-    from retrofit.convert.pipeline import load_recipe
+    from retrofit.convert.recipe import load_recipe
     from retrofit.devices import parse_device
     from retrofit.devices import is_first_process
     from retrofit.eval.conversion_report import (conversion_facts, cost_line, measure_conversion, prepare_report,
