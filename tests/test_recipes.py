@@ -27,12 +27,9 @@ def test_the_recipes_are_found():
 
 
 @pytest.fixture(scope="module")
-def smollm2_config():
-    """The reference model's own configuration (the real checkpoint, loaded once for this module)."""
-    import retrofit
-
-    model, _ = retrofit.load("smollm2-135m", dtype="float32", device="cpu")
-    return model.config
+def smollm2_config(smollm2):
+    """The reference model's own configuration (the session's real checkpoint, not loaded a second time)."""
+    return smollm2[0].config
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
