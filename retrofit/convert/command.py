@@ -40,6 +40,9 @@ Examples:
 @click.option("--lr-lora", type=float, default=None, help="Learning rate of LoRA in stage 2.")
 @click.option("--lora-rank", type=int, default=None, help="LoRA rank (0 disables LoRA).")
 @click.option("--ce-weight", type=float, default=None, help="Weight of the cross-entropy added to the KL loss.")
+@click.option("--copy-share", type=float, default=None, metavar="SHARE",
+              help="Share of stage 2's windows that repeat spans of their own text further on, one per 1,024 tokens, "
+                   "so the loss covers long-range copying (0 = off).")
 @click.option("--checkpoint-every", type=int, default=None, help="Optimizer steps between training checkpoints.")
 @click.option("--seed", type=int, default=None, help="Seed of data order and LoRA init.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
@@ -52,8 +55,8 @@ Examples:
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch_size, grad_accum, stage1_fraction,
-                    stage2_lengths, checkpoint_activations_from, lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight, checkpoint_every, seed, parallel, resume,
-                    max_minutes, overwrite, device, quiet):
+                    stage2_lengths, checkpoint_activations_from, lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight,
+                    copy_share, checkpoint_every, seed, parallel, resume, max_minutes, overwrite, device, quiet):
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
 
@@ -70,8 +73,8 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        max_minutes=max_minutes, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                        stage1_fraction=stage1_fraction, stage2_lengths=stage2_lengths,
                        checkpoint_activations_from=checkpoint_activations_from, lr_stage1=lr_stage1,
-                       lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank, ce_weight=ce_weight, checkpoint_every=checkpoint_every, seed=seed,
-                       parallel=parallel)
+                       lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank, ce_weight=ce_weight,
+                       copy_share=copy_share, checkpoint_every=checkpoint_every, seed=seed, parallel=parallel)
     except TrainingPaused as paused:
         if is_first_process():
             record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))

@@ -37,6 +37,7 @@ from retrofit.convert.checkpoint import (
     set_rng_state,
     trainable_state,
 )
+from retrofit.convert.copies import copy_generator, with_copied_spans
 from retrofit.convert.data import BatchSampler
 from retrofit.convert.objectives import (AttentionCapture, DecoderInputCapture, LayerAligner, StudentTail, kl_loss,
                                          lora_target_names, warmup_cosine)
@@ -118,7 +119,11 @@ class Distiller:
         if key not in samplers:  # phase 0's seed is the seed stage 2 had before curricula existed
             samplers[key] = BatchSampler(pool, batch_size, seed=self.config.seed * 10 + stage + 1000 * key[1],
                                          rank=self.rank, world_size=self.world_size)
-        return samplers[key].batch(index * self.config.grad_accum + micro)
+        batch = samplers[key].batch(index * self.config.grad_accum + micro)
+        if stage == 2 and self.config.copy_share > 0:
+            generator = copy_generator(self.config.seed, step, micro, self.rank)
+            batch = with_copied_spans(batch, self.config.copy_share, self.config.copy_span, generator)
+        return batch
 
     @property
     def sharded(self) -> bool:

@@ -34,6 +34,9 @@ class DistillConfig:
         lora_alpha: LoRA alpha.
         lora_targets: comma list of ``attention`` (q/k/v/o of the layers kept dense) and ``mlp`` (gate/up/down).
         ce_weight: weight of the next-token cross-entropy added to the KL loss in stage 2.
+        copy_share: share of stage 2's windows that repeat spans of their own text further on (one copy per 1,024
+            tokens; :mod:`retrofit.convert.copies`), so the KL loss covers the teacher's long-range copying. 0 = off.
+        copy_span: mean length in tokens of those copies.
         temperature: distillation temperature of the KL loss.
         warmup: fraction of each stage's steps spent in linear warm-up (then cosine decay to 10%).
         weight_decay: AdamW weight decay.
@@ -59,6 +62,8 @@ class DistillConfig:
     lora_alpha: int = 32
     lora_targets: str = "attention,mlp"
     ce_weight: float = 0.0
+    copy_share: float = 0.0
+    copy_span: int = 32
     temperature: float = 1.0
     warmup: float = 0.05
     weight_decay: float = 0.0
@@ -76,7 +81,9 @@ class DistillConfig:
         for name in ("lr_stage1", "lr_stage2", "lr_lora", "temperature"):
             if float(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("stage1_fraction", "warmup"):
+        if int(self.copy_span) < 2:
+            raise ValueError(f"copy_span must be >= 2 tokens, got {self.copy_span}")
+        for name in ("stage1_fraction", "warmup", "copy_share"):
             if not 0 <= float(getattr(self, name)) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
