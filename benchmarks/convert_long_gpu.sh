@@ -6,6 +6,10 @@
 #
 #   bash benchmarks/convert_long_gpu.sh convert MINUTES CALIB_DIR RECIPE...   # start or resume every recipe
 #   bash benchmarks/convert_long_gpu.sh report EVAL_DIR SEEDS RECIPE...       # dense beside the finished hybrids
+#   bash benchmarks/convert_long_gpu.sh convert-report MINUTES CALIB_DIR EVAL_DIR SEEDS RECIPE...  # both, one call
+#
+# convert-report reports in the same command once every recipe has finished: a hybrid lives only as long as the
+# machine that made it, so a conversion sized to end well inside one call should be reported before the call ends.
 #
 # Hybrids and their training checkpoints go under runs/ (git-ignored: kept between calls while the machine stays
 # warm); logs and JSON go to $OUT (default ./out). A conversion that reaches MINUTES writes a checkpoint and exits 3;
@@ -69,8 +73,18 @@ report)
   retrofit eval smollm2-135m --report --data-dir "$evaldir" --num-seeds "$seeds" "${hybrids[@]}" --device cuda \
     --batch-size 32 --json "$out/report.json" 2>&1 | progress_cut | grep -v "%|" | tee "$out/report.md"
   ;;
+convert-report)
+  minutes=${2:?MINUTES}; calib=${3:?CALIB_DIR}; evaldir=${4:?EVAL_DIR}; seeds=${5:?SEEDS}; shift 5
+  bash "$0" convert "$minutes" "$calib" "$@"
+  for recipe in "$@"; do
+    name=$(basename "$recipe" .yaml)
+    [ -f "runs/$name/config.json" ] || { echo "$name: not finished; no report (resume it with convert)"; exit 3; }
+  done
+  bash "$0" report "$evaldir" "$seeds" "$@"
+  ;;
 *)
-  echo "usage: convert_long_gpu.sh convert MINUTES CALIB_DIR RECIPE... | report EVAL_DIR SEEDS RECIPE..." >&2
+  echo "usage: convert_long_gpu.sh convert MINUTES CALIB_DIR RECIPE... | report EVAL_DIR SEEDS RECIPE... |" \
+       "convert-report MINUTES CALIB_DIR EVAL_DIR SEEDS RECIPE..." >&2
   exit 2
   ;;
 esac
