@@ -112,12 +112,10 @@ def test_the_teacher_continues_a_planted_copy_far_better_than_the_original(smoll
     copied_loss, original_loss = [], []
     generator = copy_generator(0, 0, 0, 0)
     for window in windows:
-        # plant the copy on the window's positions, then read where it went from the same draw on arange
-        state = generator.get_state()
-        out = with_copied_spans(window.unsqueeze(0), 1.0, 48, generator)[0]
-        layout = torch.Generator()
-        layout.set_state(state)
-        source, size, target = find_copy(with_copied_spans(torch.arange(1024).unsqueeze(0), 1.0, 48, layout)[0])
+        # a copy moves positions, whatever they hold: plant it on the positions, then read the window through them
+        layout = with_copied_spans(torch.arange(1024).unsqueeze(0), 1.0, 48, generator)[0]
+        out = window[layout]
+        source, size, target = find_copy(layout)
         with torch.no_grad():
             logits = model(input_ids=out.unsqueeze(0)).logits[0]
         losses = F.cross_entropy(logits[:-1], out[1:], reduction="none")  # losses[i]: predicting token i + 1
