@@ -14,6 +14,14 @@ import torch
 TOKENS_PER_COPY = 1024  # one planted copy per this many tokens of window: 1 in a 1K window, 8 in an 8K one
 
 
+def check_copy_settings(share: float, span: int) -> None:
+    """Refuse a copy share outside [0, 1] or a mean copy span under 2 tokens (ValueError naming the setting)."""
+    if not 0 <= float(share) <= 1:
+        raise ValueError(f"copy_share must be in [0, 1], got {share}")
+    if int(span) < 2:
+        raise ValueError(f"copy_span must be >= 2 tokens, got {span}")
+
+
 def copy_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
     """The generator that decides the copies of one micro-batch: fixed by the run's seed and the batch's place, so a
     resumed run plants exactly what an uninterrupted one would."""
@@ -35,10 +43,7 @@ def with_copied_spans(windows: torch.Tensor, share: float, span: int, generator:
         from ``b`` on to the right and dropping the window's last ``s`` tokens, so the length stays ``L``. Windows
         shorter than ``4 * span`` tokens are left as they are.
     """
-    if not 0 <= share <= 1:
-        raise ValueError(f"copy share must be in [0, 1], got {share}")
-    if span < 2:
-        raise ValueError(f"copy span must be at least 2 tokens, got {span}")
+    check_copy_settings(share, span)
     out = windows.clone()
     length = windows.shape[1]
     if share == 0 or length < 4 * span:

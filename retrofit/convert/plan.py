@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from retrofit.convert.copies import check_copy_settings
+
 PARALLEL_MODES = ("ddp", "fsdp")
 
 
@@ -81,9 +83,8 @@ class DistillConfig:
         for name in ("lr_stage1", "lr_stage2", "lr_lora", "temperature"):
             if float(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if int(self.copy_span) < 2:
-            raise ValueError(f"copy_span must be >= 2 tokens, got {self.copy_span}")
-        for name in ("stage1_fraction", "warmup", "copy_share"):
+        check_copy_settings(self.copy_share, self.copy_span)
+        for name in ("stage1_fraction", "warmup"):
             if not 0 <= float(getattr(self, name)) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
