@@ -14,7 +14,7 @@ import torch
 from retrofit.attention_functions import attention_function, dense_attention, implementation_of
 from retrofit.convert.data import token_windows
 from retrofit.convert.distill import kl_loss
-from retrofit.convert.retrieval_probe import answer_row_attention, needle_probes
+from retrofit.convert.retrieval_probe import RetrievalScores, answer_row_attention, needle_probes
 from retrofit.convert.select_settings import SelectSettings
 from retrofit.convert.selection import (choose, combined_costs, layer_count, parse_layer_spec, rank_layers,
                                         order_scores, ranking_table)
@@ -207,6 +207,48 @@ def test_retrieval_weight_keeps_the_retrieval_layers_softmax(ranked):
     assert len(copiers & set(choose(_reranked(ranking, 0.0), 0.5, 30))) >= 2
 
 
+H100_RANKING = REPO / "benchmarks/results/2026-12-06/h100_convert_kda-15of30-copy.log"
+SELECTOR_LAYERS = [3, 4, 5, 6, 9, 11, 12, 13, 16, 24, 25, 26, 27, 28, 29]  # what the selector converted there
+KEEP6_LAYERS = [3, 4, 5, 9, 10, 11, 12, 13, 16, 24, 25, 26, 27, 28, 29]  # kda-15of30-copy-keep6: kept passkey
+
+
+def _logged_ranking(path: Path) -> tuple[dict[int, float], dict[int, float], RetrievalScores, dict[int, float]]:
+    """KL, alignment error, retrieval (one best head per layer) and the printed cost of each layer, read back from a
+    conversion log's ranking table."""
+    rows = [line.strip().strip("|").split("|") for line in path.read_text().splitlines()
+            if re.match(r"\| \d+ \| \d+ \|", line)]
+    by_layer = {int(row[1]): [float(cell) for cell in row[2:7]] for row in rows}
+    layers = sorted(by_layer)
+    column = lambda c: {i: by_layer[i][c] for i in layers}  # noqa: E731
+    retrieval = RetrievalScores(torch.tensor([[by_layer[i][2]] for i in layers]),
+                                torch.tensor([[by_layer[i][3]] for i in layers]), 0.0, 1.0, (2048, 8192))
+    return column(0), column(1), retrieval, column(4)
+
+
+@pytest.mark.parametrize("copy_weight, expected", [
+    (0.0, SELECTOR_LAYERS), (0.03, SELECTOR_LAYERS),
+    (0.1, KEEP6_LAYERS), (0.5, KEEP6_LAYERS), (0.8, KEEP6_LAYERS),
+    (1.0, [3, 4, 5, 9, 10, 11, 12, 13, 16, 19, 25, 26, 27, 28, 29]),
+])
+def test_copy_weight_keeps_the_copying_head_of_the_h100_ranking(copy_weight, expected):
+    """The ranking of KDA's 15-of-30 conversion on an H100, as that run printed it: with copy_weight 0 the cost is
+    the one printed (within 0.002: KL is printed to 4 decimals and needle mass to 3, and the recomputed cost moves by
+    at most 0.0018 from that rounding, under a tenth of the 0.023 between ranks 15 and 16, the choice's edge) and
+    the chosen 15 are the selector's; a copy term of weight 0.1-0.8 trades layer 6 (copy rate 0.286) for layer 10
+    (0.000), the layers of the hybrid that kept passkey; at 1.0 it also trades layer 24 (0.054) for 19 (0.009, but
+    KL 0.038)."""
+    kls, errors, retrieval, printed_cost = _logged_ranking(H100_RANKING)
+    scores = order_scores(kls, errors, retrieval, 0.5, copy_weight)
+    assert sorted(choose(scores, 0.5, 30)) == expected
+    if copy_weight == 0:
+        assert all(abs(s.cost - printed_cost[s.layer]) < 0.002 for s in scores)
+    copy_mean = sum(retrieval.layer_copy_rates()) / 30
+    without_copies = {s.layer: s.cost for s in order_scores(kls, errors, retrieval, 0.5)}
+    assert all(s.cost == pytest.approx(without_copies[s.layer] + copy_weight * s.copy_rate / copy_mean, abs=1e-12)
+               for s in scores)
+    assert combined_costs([1.0, 3.0], [0.5, 0.0], 0.0, [0.2, 0.6], 2.0) == pytest.approx([0.5 + 1.0, 1.5 + 3.0])
+
+
 def test_dense_model_reads_the_planted_needle_back(ranked):
     """The retrieval probe on 2 needle prompts of 512 tokens from the calibration books: the dense model predicts
     every digit of the number (teacher-forced arg-max), and its retrieval heads put most of their attention on the
@@ -298,7 +340,7 @@ def test_recipe_select_settings_reach_the_selector_of_convert(smollm2, calib_dat
         "to": "gdn", "layers": "fraction:0.03", "tokens": 256, "seq_len": 32, "batch_size": 2,
         "stage1_fraction": 0.5, "checkpoint_every": 1,
         "select": {"align_steps": 1, "batch_size": 1, "probe_windows": 1, "retrieval_probes": 1,
-                   "probe_context": 256, "retrieval_weight": 2.0, "seed": 4}}))
+                   "probe_context": 256, "retrieval_weight": 2.0, "copy_weight": 1.0, "seed": 4}}))
 
     class Interrupt(Exception):
         pass
@@ -311,7 +353,7 @@ def test_recipe_select_settings_reach_the_selector_of_convert(smollm2, calib_dat
     with pytest.raises(Interrupt):
         convert(smollm2, on_step=stop_in_stage2, **settings)
     printed = capsys.readouterr().out
-    assert "cost = KL / mean(KL) + 2 x needle mass / mean(needle mass)" in printed
+    assert "cost = KL / mean(KL) + 2 x needle mass / mean(needle mass) + 1 x copy rate / mean(copy rate)" in printed
     assert "retrieval probes: 1 per context of 256 tokens" in printed
     first = int(re.search(r"^\| 1 \| (\d+) \|", printed, flags=re.M).group(1))
     assert json.loads((work_dir_for(tmp_path / "hybrid") / SELECTION_FILE).read_text())["layers"] == [first]

@@ -118,6 +118,8 @@ Examples:
               help="Held-out windows for the KL probe.")
 @click.option("--retrieval-weight", type=float, default=SelectSettings.retrieval_weight, show_default=True,
               help="w in cost = KL/mean(KL) + w * needle mass/mean(needle mass); 0 ranks by KL alone.")
+@click.option("--copy-weight", type=float, default=SelectSettings.copy_weight, show_default=True,
+              help="c in a third term, + c * copy rate/mean(copy rate): keeps the heads that copy a needle softmax.")
 @click.option("--retrieval-probes", type=int, default=SelectSettings.retrieval_probes, show_default=True,
               help="Needle probes per context length (0: no retrieval probe).")
 @click.option("--probe-context", default=",".join(map(str, SelectSettings.probe_context)), show_default=True,
@@ -127,7 +129,7 @@ Examples:
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows,
-                   retrieval_weight, retrieval_probes, probe_context, seed, device, quiet):
+                   retrieval_weight, copy_weight, retrieval_probes, probe_context, seed, device, quiet):
     """Rank MODEL's layers by the cost of converting each one (short-window KL and long-context retrieval), print
     the ranking, the chosen --layers and what the scoring cost (seconds, peak memory)."""
     from retrofit.convert.data import token_windows
@@ -143,7 +145,8 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     if tokens is not None and tokens <= 0:
         raise RetrofitError(f"--tokens must be > 0, got {tokens}")
     settings = SelectSettings(align_steps=align_steps, batch_size=batch_size, probe_windows=probe_windows,
-                              retrieval_weight=retrieval_weight, retrieval_probes=retrieval_probes,
+                              retrieval_weight=retrieval_weight, copy_weight=copy_weight,
+                              retrieval_probes=retrieval_probes,
                               probe_context=probe_context, seed=seed)
     torch_device = parse_device(device)
     dense, tokenizer = load(model, dtype="float32", device=torch_device)

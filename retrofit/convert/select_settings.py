@@ -30,6 +30,13 @@ class SelectSettings:
             the converted set grows 1.5x (8 layers) and 1.4x (15 layers) over the KL-only choice. w = 1 converts
             the same 8 layers and at 15 trades layer 22 (mass 0.44) for layer 4, whose KL is 0.50 nats (3.8 times
             the median): 1.85x the KL. Raise it when long-context recall matters more than short-context fidelity.
+        copy_weight: ``c`` in a third cost term, ``+ c * copy_rate / mean(copy_rate)``: the copy rate of each layer's
+            best head (the share of answer tokens it points at in the needle while the dense model reads the number
+            back), which keeps the few heads that copy softmax even where their needle mass is small. 0 (the default)
+            leaves the ranking as it was. On the 2026-12-06 H100 ranking of KDA at fraction 0.5
+            (``benchmarks/results/2026-12-06/h100_convert_kda-15of30-copy.log``), any c from about 0.06 to 0.8 trades layer
+            6 (copy rate 0.286, the only chosen layer whose head copies) for layer 10 (0.000): the layers of
+            ``kda-15of30-copy-keep6``, the 15-of-30 hybrid that kept passkey.
         retrieval_probes: needle probes per context length (0: no retrieval probe, then ``retrieval_weight`` must be 0).
         probe_context: context lengths of the needle probes in tokens, e.g. ``(2048,)`` or ``(2048, 4096)``.
         seed: seed of the needle probes (haystack windows, numbers, depths).
@@ -40,6 +47,7 @@ class SelectSettings:
     probe_windows: int = 8
     lr: float = 1e-3
     retrieval_weight: float = 0.5
+    copy_weight: float = 0.0
     retrieval_probes: int = 8
     probe_context: tuple[int, ...] = (2048,)
     seed: int = 0
@@ -54,12 +62,14 @@ class SelectSettings:
         _integer(self, "seed")
         if not _number(self, "lr") > 0:
             raise RetrofitError(f"select setting lr must be > 0, got {self.lr!r}")
-        if not 0 <= _number(self, "retrieval_weight") < math.inf:
-            raise RetrofitError(f"select setting retrieval_weight must be a finite number >= 0, got "
-                                f"{self.retrieval_weight!r}")
-        if self.retrieval_weight > 0 and self.retrieval_probes == 0:
-            raise RetrofitError(f"select setting retrieval_weight {self.retrieval_weight} needs retrieval probes: set "
-                                "retrieval_probes >= 1, or retrieval_weight 0 to rank by KL alone")
+        for name in ("retrieval_weight", "copy_weight"):
+            if not 0 <= _number(self, name) < math.inf:
+                raise RetrofitError(f"select setting {name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        for name in ("retrieval_weight", "copy_weight"):
+            weight = getattr(self, name)
+            if weight > 0 and self.retrieval_probes == 0:
+                raise RetrofitError(f"select setting {name} {weight} needs retrieval probes: set retrieval_probes >= 1, "
+                                    f"or {name} 0")
 
     @classmethod
     def from_mapping(cls, values: dict | None) -> "SelectSettings":

@@ -15,8 +15,9 @@ context:
   model reads it back. A linear-attention layer cannot keep such exact long-range recall, which is what every
   converted hybrid lost.
 
-The ranking cost is ``KL / mean(KL) + retrieval_weight * retrieval / mean(retrieval)`` (:class:`SelectSettings`);
-the layers of least cost are converted. ``retrieval_weight`` 0 gives the KL-only ranking.
+The ranking cost is ``KL / mean(KL) + retrieval_weight * retrieval / mean(retrieval) + copy_weight * copy rate /
+mean(copy rate)`` (:class:`SelectSettings`); the layers of least cost are converted. Both weights 0 give the KL-only
+ranking.
 """
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ class LayerScore:
     """What converting one layer costs. ``kl``: KL(dense || dense with only this layer converted), nats per token;
     ``align_error``: relative MSE of the aligned layer against its attention; ``retrieval``: needle mass of the
     layer's best head and ``copy_rate`` its best head's copy rate (:mod:`retrofit.convert.retrieval_probe`; None when
-    not probed); ``cost``: the ranking cost (:class:`SelectSettings`, ``retrieval_weight``)."""
+    not probed); ``cost``: the ranking cost (:class:`SelectSettings`, ``retrieval_weight`` and ``copy_weight``)."""
 
     layer: int
     kl: float
@@ -147,13 +148,14 @@ class LayerScore:
 def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_steps: int = 30,
                  batch_size: int = 4, probe_windows: int = 8, lr: float = 1e-3, device=None,
                  show_progress: bool = True, aligned: dict | None = None, retrieval: RetrievalScores | None = None,
-                 retrieval_weight: float = 0.0, seconds: dict | None = None) -> list[LayerScore]:
+                 retrieval_weight: float = 0.0, copy_weight: float = 0.0,
+                 seconds: dict | None = None) -> list[LayerScore]:
     """Score every layer of ``dense`` (see the module docstring) -> scores sorted from cheapest to costliest.
 
     windows: ``[N, L]`` calibration tokens; the last ``probe_windows`` are held out for the KL probe and the rest
     feed the alignment (``align_steps`` steps of ``batch_size`` windows). ``retrieval``: the dense model's retrieval
     scores (:func:`retrofit.convert.retrieval_probe.retrieval_head_scores`), combined into the cost with
-    ``retrieval_weight`` (:func:`combined_costs`). If ``aligned`` is a dict, it receives layer index -> the aligned
+    ``retrieval_weight`` and ``copy_weight`` (:func:`combined_costs`). If ``aligned`` is a dict, it receives layer index -> the aligned
     replacement layer; if ``seconds`` is a dict, it receives phase -> wall seconds.
 
     Memory (:mod:`retrofit.convert.layer_probe`): the weights, the replacements with their gradients and AdamW
@@ -170,8 +172,8 @@ def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_st
     if windows.shape[0] <= probe_windows:
         raise RetrofitError(f"need more than {probe_windows} calibration windows to score layers; "
                             f"got {windows.shape[0]} (raise --tokens)")
-    if retrieval_weight > 0 and retrieval is None:
-        raise RetrofitError("retrieval_weight > 0 needs the retrieval scores of the dense model")
+    if (retrieval_weight > 0 or copy_weight > 0) and retrieval is None:
+        raise RetrofitError("retrieval_weight or copy_weight > 0 needs the retrieval scores of the dense model")
     train, probe = windows[:-probe_windows], windows[-probe_windows:].to(device)
     with _timed(seconds, "alignment"):
         replacements = align_every_layer(dense, train, layer_type, align_steps, batch_size, lr, device, show_progress)
@@ -181,37 +183,42 @@ def score_layers(dense, windows: torch.Tensor, layer_type: str = "gdn", align_st
         kls = swap_kl(dense, replacements, probe, show_progress)
     if aligned is not None:
         aligned.update(replacements)
-    return order_scores(kls, errors, retrieval, retrieval_weight)
+    return order_scores(kls, errors, retrieval, retrieval_weight, copy_weight)
 
 
 def order_scores(kls: dict[int, float], errors: dict[int, float], retrieval: RetrievalScores | None,
-                 retrieval_weight: float) -> list[LayerScore]:
+                 retrieval_weight: float, copy_weight: float = 0.0) -> list[LayerScore]:
     """Layer -> KL and layer -> alignment error, with the retrieval scores (or None) -> :class:`LayerScore` list
-    from cheapest to costliest by :func:`combined_costs` (ties: lower KL, then lower index). With
-    ``retrieval_weight`` 0 this is the KL-only order, exactly."""
+    from cheapest to costliest by :func:`combined_costs` (ties: lower KL, then lower index). With both weights 0
+    this is the KL-only order, exactly."""
     layers = sorted(kls)
     needle = retrieval.layer_scores() if retrieval is not None else None
     copies = retrieval.layer_copy_rates() if retrieval is not None else None
-    costs = combined_costs([kls[i] for i in layers], needle, retrieval_weight)
+    costs = combined_costs([kls[i] for i in layers], needle, retrieval_weight, copies, copy_weight)
     scores = [LayerScore(i, kls[i], errors[i], needle[i] if needle else None, copies[i] if copies else None, cost)
               for i, cost in zip(layers, costs)]
     return sorted(scores, key=lambda s: (s.cost, s.kl, s.layer))
 
 
-def combined_costs(kl: list[float], retrieval: list[float] | None, weight: float) -> list[float]:
-    """Per layer ``kl / mean(kl) + weight * retrieval / mean(retrieval)`` (a term whose mean is 0 adds nothing).
+def combined_costs(kl: list[float], retrieval: list[float] | None, weight: float,
+                   copy_rate: list[float] | None = None, copy_weight: float = 0.0) -> list[float]:
+    """Per layer ``kl / mean(kl) + weight * retrieval / mean(retrieval) + copy_weight * copy_rate /
+    mean(copy_rate)`` (a term whose mean is 0 adds nothing).
 
-    Each term is divided by its mean over the layers so that the two are comparable whatever their units; with
-    ``weight`` 0 the cost orders the layers exactly as ``kl`` does (ties broken by ``kl`` in the sort).
+    Each term is divided by its mean over the layers so that the terms are comparable whatever their units; with
+    both weights 0 the cost orders the layers exactly as ``kl`` does (ties broken by ``kl`` in the sort).
     """
-    kl_mean = sum(kl) / len(kl)
-    costs = [k / kl_mean if kl_mean > 0 else 0.0 for k in kl]
-    if retrieval is None or weight == 0:
-        return costs
-    retrieval_mean = sum(retrieval) / len(retrieval)
-    if retrieval_mean <= 0:
-        return costs
-    return [c + weight * r / retrieval_mean for c, r in zip(costs, retrieval)]
+    costs = _relative_to_mean(kl, 1.0)
+    for values, term_weight in ((retrieval, weight), (copy_rate, copy_weight)):
+        if values is not None and term_weight != 0:
+            costs = [c + t for c, t in zip(costs, _relative_to_mean(values, term_weight))]
+    return costs
+
+
+def _relative_to_mean(values: list[float], weight: float) -> list[float]:
+    """``weight * value / mean(values)`` per value; all 0 where the mean is not positive."""
+    mean = sum(values) / len(values)
+    return [weight * v / mean if mean > 0 else 0.0 for v in values]
 
 
 @dataclass
@@ -229,7 +236,10 @@ class Ranking:
 
     def summary(self) -> str:
         """Lines under the ranking table: the cost formula, the retrieval probe's sanity numbers, the scoring cost."""
-        lines = [f"cost = KL / mean(KL) + {self.settings.retrieval_weight:g} x needle mass / mean(needle mass)"]
+        cost = f"cost = KL / mean(KL) + {self.settings.retrieval_weight:g} x needle mass / mean(needle mass)"
+        if self.settings.copy_weight:
+            cost += f" + {self.settings.copy_weight:g} x copy rate / mean(copy rate)"
+        lines = [cost]
         if self.retrieval is not None:
             probes = self.settings.retrieval_probes
             lines.append(f"retrieval probes: {probes} per context of {', '.join(map(str, self.retrieval.contexts))} "
@@ -264,7 +274,8 @@ def rank_layers(dense, tokenizer, windows: torch.Tensor, data: list[str], layer_
     scores = score_layers(dense, windows, layer_type=layer_type, align_steps=settings.align_steps,
                           batch_size=settings.batch_size, probe_windows=settings.probe_windows, lr=settings.lr,
                           device=device, show_progress=show_progress, aligned=aligned, retrieval=retrieval,
-                          retrieval_weight=settings.retrieval_weight, seconds=seconds)
+                          retrieval_weight=settings.retrieval_weight, copy_weight=settings.copy_weight,
+                          seconds=seconds)
     peak, kind = _peak_memory(device)
     return Ranking(scores, retrieval, settings, seconds, peak, kind)
 
