@@ -249,6 +249,23 @@ def test_copy_weight_keeps_the_copying_head_of_the_h100_ranking(copy_weight, exp
     assert combined_costs([1.0, 3.0], [0.5, 0.0], 0.0, [0.2, 0.6], 2.0) == pytest.approx([0.5 + 1.0, 1.5 + 3.0])
 
 
+
+COPYRANK_RANKING = REPO / "benchmarks/results/2026-12-06/h100_convert_kda-15of30-copyrank.log"
+
+
+def test_copy_term_as_the_h100_run_printed_it():
+    """kda-15of30-copyrank's scoring on an H100 (select: copy_weight 0.5): the current formula, fed the printed
+    columns, gives every printed cost within 0.004 (the columns' rounding: KL to 4 decimals moves a cost by at most
+    0.00005 / mean KL 0.231 = 0.0002, needle mass to 3 by 0.5 x 0.0005 / its mean, copy rate to 3 by 0.5 x 0.0005 / its
+    mean 0.112 = 0.0022; measured 0.0023) and chooses the layers that run converted, kda-15of30-copy-keep6's, with
+    0.045 between ranks 15 and 16, ten times that tolerance."""
+    kls, errors, retrieval, printed_cost = _logged_ranking(COPYRANK_RANKING)
+    assert "+ 0.5 x copy rate / mean(copy rate)" in COPYRANK_RANKING.read_text()
+    scores = order_scores(kls, errors, retrieval, 0.5, 0.5)
+    assert all(abs(s.cost - printed_cost[s.layer]) < 0.004 for s in scores)
+    assert sorted(choose(scores, 0.5, 30)) == KEEP6_LAYERS
+    assert [s.layer for s in scores] == sorted(printed_cost, key=printed_cost.get)
+
 def test_dense_model_reads_the_planted_needle_back(ranked):
     """The retrieval probe on 2 needle prompts of 512 tokens from the calibration books: the dense model predicts
     every digit of the number (teacher-forced arg-max), and its retrieval heads put most of their attention on the
