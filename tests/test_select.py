@@ -249,7 +249,6 @@ def test_copy_weight_keeps_the_copying_head_of_the_h100_ranking(copy_weight, exp
     assert combined_costs([1.0, 3.0], [0.5, 0.0], 0.0, [0.2, 0.6], 2.0) == pytest.approx([0.5 + 1.0, 1.5 + 3.0])
 
 
-
 COPYRANK_RANKING = REPO / "benchmarks/results/2026-12-06/h100_convert_kda-15of30-copyrank.log"
 
 
@@ -265,6 +264,7 @@ def test_copy_term_as_the_h100_run_printed_it():
     assert all(abs(s.cost - printed_cost[s.layer]) < 0.004 for s in scores)
     assert sorted(choose(scores, 0.5, 30)) == KEEP6_LAYERS
     assert [s.layer for s in scores] == sorted(printed_cost, key=printed_cost.get)
+
 
 def test_dense_model_reads_the_planted_needle_back(ranked):
     """The retrieval probe on 2 needle prompts of 512 tokens from the calibration books: the dense model predicts
