@@ -1,18 +1,23 @@
-"""What a causal LM's attention looks like: the layout retrofit needs to patch or convert it."""
+"""A loaded model's attention, per layer, from its family's architecture record (:mod:`retrofit.architecture`):
+the layout retrofit needs to patch, convert or size it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from retrofit import architecture
+from retrofit.architecture import Architecture, LayerAttention
 from retrofit.errors import RetrofitError
 
-SOFTMAX_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SOFTMAX_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass
 class AttentionLayout:
-    """Per-model attention facts. ``layer_types[i]`` is e.g. ``full_attention``, ``sliding_attention``, ``gdn``."""
+    """Per-model attention facts. ``layer_types[i]``: ``full_attention``, ``sliding_attention``, ``linear_attention``
+    (a family's native recurrent layer) or a converted layer's type (``gdn``, ``kda``); ``layers[i]`` the record's
+    :class:`LayerAttention` of the dense layer (window, softcap, scaling, rotary dims)."""
 
     num_layers: int
     num_heads: int
@@ -22,14 +27,31 @@ class AttentionLayout:
     max_positions: int | None
     layer_types: list[str]
     attention_modules: list[nn.Module] = field(repr=False)
+    layers: list[LayerAttention] = field(default_factory=list, repr=False)
+    architecture: Architecture | None = field(default=None, repr=False)
 
     @property
     def softmax_layers(self) -> list[int]:
-        return [i for i, kind in enumerate(self.layer_types) if kind.endswith("attention")]
+        """Layers that run softmax attention now (sliding-window ones included; converted ones not)."""
+        return [i for i, kind in enumerate(self.layer_types) if kind in SOFTMAX_KINDS]
+
+    @property
+    def unbounded_layers(self) -> list[int]:
+        """Softmax layers whose key-value cache grows with the context (no sliding window)."""
+        return [i for i in self.softmax_layers if self.layers[i].window is None]
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i in self.softmax_layers if self.layers[i].window is not None]
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """Bytes a KV cache holds per token (keys and values of every softmax layer)."""
-        return 2 * len(self.softmax_layers) * self.num_kv_heads * self.head_dim * element_bytes
+        """Bytes the key-value cache grows by per token: keys and values of every unbounded softmax layer."""
+        return 2 * len(self.unbounded_layers) * self.num_kv_heads * self.head_dim * element_bytes
+
+    def window_bytes(self, element_bytes: int, batch: int = 1) -> int:
+        """Bytes the sliding-window layers hold once their windows are full (bounded, whatever the context)."""
+        per_position = 2 * self.num_kv_heads * self.head_dim * element_bytes * batch
+        return sum(self.layers[i].window * per_position for i in self.sliding_layers)
 
 
 def model_device(model: nn.Module):
@@ -39,47 +61,50 @@ def model_device(model: nn.Module):
 
 def max_model_length(model: nn.Module) -> int:
     """The model's position limit (``config.max_position_embeddings``), or a very large number if unknown."""
-    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+    return int(getattr(architecture.text_config(model), "max_position_embeddings", None) or 1 << 30)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of a Llama/Qwen2/Mistral-style causal LM (``model.model.layers``)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise RetrofitError(f"{type(model).__name__} has no decoder layers at model.model.layers; "
-                            "retrofit supports Llama/Qwen2/Mistral-style causal LMs")
-    return layers
+    """The decoder blocks of a causal LM of a described family (RetrofitError for others)."""
+    return architecture.of(model).blocks(model)
 
 
 def attention_layout(model: nn.Module) -> AttentionLayout:
-    """Read the attention layout, raising :class:`RetrofitError` naming the module that does not fit."""
-    config = model.config
-    layers = decoder_layers(model)
+    """Read the attention layout, raising :class:`RetrofitError` (one line) for a family retrofit does not describe
+    or a softmax attention module that is not what its family's record says (naming the module)."""
+    arch = architecture.of(model)
+    config = architecture.text_config(model)
+    described = arch.layers(config)
+    blocks = arch.blocks(model)
+    if len(blocks) != len(described):
+        raise RetrofitError(f"{type(model).__name__} has {len(blocks)} decoder layers, its config "
+                            f"{len(described)}")
+    projections = arch.attention_projection_names(config)
     modules, kinds = [], []
-    config_types = getattr(config, "layer_types", None) or ["full_attention"] * len(layers)
-    for index, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None:
-            raise RetrofitError(f"layer {index} ({type(layer).__name__}) has no self_attn module; "
-                                "retrofit supports Llama/Qwen2/Mistral-style decoder layers")
-        converted = getattr(attn, "retrofit_layer_type", None)
-        if converted is None:
-            missing = [name for name in SOFTMAX_PROJECTIONS if not isinstance(getattr(attn, name, None), nn.Linear)]
+    for layer, block in zip(described, blocks):
+        attention = getattr(block, arch.attention, None)
+        if attention is None:  # a native linear-attention layer (Qwen3-Next's) lives elsewhere in its block
+            kinds.append(layer.kind)
+            modules.append(None)
+            continue
+        converted = getattr(attention, "retrofit_layer_type", None)
+        if converted is None and layer.softmax:
+            missing = [name for name in projections if not isinstance(getattr(attention, name, None), nn.Module)]
             if missing:
-                raise RetrofitError(f"unsupported attention module {type(attn).__name__} at model.layers.{index}."
-                                    f"self_attn: it lacks {', '.join(missing)} (need separate q/k/v/o projections)")
-        modules.append(attn)
-        kinds.append(converted or config_types[index])
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+                raise RetrofitError(f"unsupported attention module {type(attention).__name__} at "
+                                    f"{arch.block_prefix(layer.index)}{arch.attention}: it lacks {', '.join(missing)} "
+                                    f"(the {arch.model_type} record says {arch.qkv_layout(config).describe()})")
+        modules.append(attention)
+        kinds.append(converted or layer.kind)
     return AttentionLayout(
-        num_layers=len(layers),
-        num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
+        num_layers=len(blocks),
+        num_heads=arch.num_heads(config),
+        num_kv_heads=arch.num_kv_heads(config),
+        head_dim=arch.head_dim(config),
         hidden_size=config.hidden_size,
         max_positions=getattr(config, "max_position_embeddings", None),
         layer_types=kinds,
         attention_modules=modules,
+        layers=described,
+        architecture=arch,
     )

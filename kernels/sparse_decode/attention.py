@@ -3,7 +3,8 @@
 Shared by every sparse method (StreamingLLM, Quest, ClusterKV, RetrievalAttention, SeerAttention): they differ only in
 how they pick ``indices``. One program handles all ``G`` query heads of a kv head (GQA: the selected keys are read
 once per group) for one split of the selection (flash-decoding); a second small kernel merges the splits.
-Online softmax in fp32, exp2 domain. Semantics: ``reference.sparse_decode_attention_ref``.
+Online softmax in fp32, exp2 domain; logit softcapping (Gemma 2: ``softcap * tanh(logit / softcap)`` before the
+softmax) where asked. Semantics: ``reference.sparse_decode_attention_ref``.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _sparse_decode_split_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ib, stride_ih,
     stride_cb, stride_start, stride_end,
-    Hkv, D, tokens_per_split, qk_scale,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    Hkv, D, tokens_per_split, qk_scale, softcap,
+    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -69,7 +70,11 @@ def _sparse_decode_split_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        if SOFTCAP:  # qk_scale is the natural-log scale here: cap the logit, then move to the exp2 domain
+            s = _capped(s * qk_scale, softcap) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -87,6 +92,15 @@ def _sparse_decode_split_kernel(
     tl.store(part_m_ptr + part, m_i, mask=g_ok)
     tl.store(part_l_ptr + part, l_i, mask=g_ok)
     tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _capped(x, cap):
+    """``cap * tanh(x / cap)``, with tanh from one exp2 of a non-positive argument (no overflow)."""
+    y = x / cap
+    t = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
+    magnitude = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(y < 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -140,6 +154,7 @@ def sparse_decode_attention_triton(
     scale: float | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one decode token over the selected blocks of the cache: the Triton path of
     :func:`sparse_decode_attention`.
@@ -147,7 +162,7 @@ def sparse_decode_attention_triton(
     q [B, Hq, D]; k, v [B, Hkv, N, D] (last dim contiguous); indices [B, Hkv, S] int (block ids of ``block_size``
     positions); counts [B, Hkv] int (valid entries per row, ragged); kv_start, kv_end [B] int (valid positions
     ``kv_start <= pos < kv_end``; any stride, e.g. one counter expanded). Returns o [B, Hq, D] in q's dtype; rows
-    with nothing valid give zeros.
+    with nothing valid give zeros. ``softcap``: logits capped as ``softcap * tanh(logit / softcap)`` (None: not).
     ``num_splits`` splits each row's selection over that many programs (default: fill the GPU; 1 on CPU).
     """
     B, Hq, D = q.shape
@@ -178,8 +193,8 @@ def sparse_decode_attention_triton(
         q, k, v, indices, counts, kv_start, kv_end, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         indices.stride(0), indices.stride(1), counts.stride(0), kv_start.stride(0), kv_end.stride(0),
-        Hkv, D, tokens_per_split, scale * _LOG2E,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        Hkv, D, tokens_per_split, scale if softcap else scale * _LOG2E, float(softcap or 1.0),
+        SOFTCAP=bool(softcap), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
     )
     _merge_splits_kernel[(B * Hq,)](
@@ -189,15 +204,17 @@ def sparse_decode_attention_triton(
     return out
 
 
-def sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size=1, scale=None, **launch):
+def sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size=1, scale=None, softcap=None,
+                            **launch):
     """Attention of one decode token over the selected blocks of the cache.
 
     q [B, Hq, D]; k, v [B, Hkv, N, D]; indices [B, Hkv, S] block ids of ``block_size`` positions; counts [B, Hkv]
     valid entries per row; kv_start, kv_end [B] (valid positions ``kv_start <= pos < kv_end``) -> o [B, Hq, D] in
-    q's dtype. Triton (:func:`sparse_decode_attention_triton`) or ``reference.sparse_decode_attention_ref``, as
+    q's dtype. ``softcap``: logits capped as ``softcap * tanh(logit / softcap)`` before the softmax (None: not). Triton (:func:`sparse_decode_attention_triton`) or ``reference.sparse_decode_attention_ref``, as
     ``retrofit.kernels.backend`` picks for q's device; ``launch`` (``num_splits``, ``block_n``) tunes the Triton
     launch and is not used by the PyTorch path.
     """
     run = implementation("sparse_decode_attention", q.device)
     tuning = launch if run is sparse_decode_attention_triton else {}
-    return run(q, k, v, indices, counts, kv_start, kv_end, block_size=block_size, scale=scale, **tuning)
+    return run(q, k, v, indices, counts, kv_start, kv_end, block_size=block_size, scale=scale, softcap=softcap,
+               **tuning)

@@ -45,11 +45,13 @@ def sparse_decode_attention_ref(
     kv_end: torch.Tensor,
     block_size: int = 1,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention of one decode token over the selected positions only.
 
     q [B, Hq, D], k/v [B, Hkv, N, D], indices [B, Hkv, S], counts [B, Hkv], kv_start/kv_end [B] -> o [B, Hq, D]
-    (dtype of q; fp32 math). A row with no valid position gives zeros.
+    (dtype of q; fp32 math). A row with no valid position gives zeros. ``softcap``: the logits ``scale * q . k``
+    become ``softcap * tanh(logit / softcap)`` before the softmax (Gemma 2); None leaves them.
     """
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -61,6 +63,8 @@ def sparse_decode_attention_ref(
     values = torch.gather(v, 2, gather).float()
     queries = q.float().view(B, Hkv, group, D)
     scores = torch.einsum("bhgd,bhld->bhgl", queries, keys) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)

@@ -38,10 +38,12 @@ from retrofit.generation.inputs import cache_keyword
 from retrofit.generation.sampling import TokenChooser
 from retrofit.kernels import backend_for
 from retrofit.kernels.sparse_decode import sparse_decode_attention
+from retrofit.model_info import attention_layout
 from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
                                                  mask_function_of)
 from retrofit.sparse.cache import SparseLayer
 from retrofit.sparse.patch import SparseSession, active_session
+from retrofit.static_cache import RingLayer, ring_selection, static_layers
 
 CAPACITY_QUANTUM = 256  # cache lengths are rounded up to a multiple of this: one graph per bucket, not per length
 DENSE_BLOCK = 64  # block size of the all-blocks selection a dense decode step reads (a divisor of the quantum)
@@ -98,6 +100,7 @@ class StaticGeneration:
         self.device = input_ids.device
         self.session: SparseSession | None = active_session(model)
         self.capacity = cache_capacity(input_ids.shape[1] + max_new_tokens)
+        self.layout = attention_layout(model)
         self.cache = self._new_cache()
         self.cache_argument = cache_keyword(model)
         self.implementation = (self.session.original_implementation if self.session is not None
@@ -105,6 +108,7 @@ class StaticGeneration:
         self.base_mask = mask_function_of(model)
         self.all_blocks: AllBlocks | None = None
         self.positions_of_buffer: torch.Tensor | None = None
+        self.ring_offsets: dict[int, torch.Tensor] = {}  # ring size -> arange(size) on the device
         self.fuse_layers = fuse_layers
         self.fusion: DecodeFusion | None = None  # the fused decoder layers, while installed on the Triton backend
         # the device state a decode step reads and updates in place; sized by the cache's capacity, not by this
@@ -153,7 +157,9 @@ class StaticGeneration:
     def _new_cache(self):
         if self.session is not None:
             return self.session.new_cache(capacity=self.capacity)
-        return StaticCache(config=text_config(self.model), max_cache_len=self.capacity)
+        cache = StaticCache(config=text_config(self.model), max_cache_len=self.capacity)
+        cache.layers = static_layers(self.model, self.capacity)
+        return cache
 
     # -- the attention and mask functions the model runs while the engine works ----------------------------------
     def attention(self, module, query, key, value, attention_mask, **kwargs):
@@ -163,15 +169,23 @@ class StaticGeneration:
         if isinstance(layer, SparseLayer):
             return self.session.attention(module, query, key, value, attention_mask, **kwargs)
         if query.shape[2] > 1:
+            if isinstance(layer, RingLayer):  # the ring's keys [kv_offset, chunk_end): those columns of the mask
+                if attention_mask is not None:
+                    attention_mask = attention_mask[..., layer.kv_offset: self.chunk_end]
+                return dense_attention(self.implementation, module, query, key, value, attention_mask, **kwargs)
             end = self.chunk_end
             return dense_attention(self.implementation, module, query, key[:, :, :end], value[:, :, :end],
                                    attention_mask, **kwargs)
+        softcap = self.layout.layers[module.layer_idx].softcap
+        if isinstance(layer, RingLayer):
+            return self.ring_decode_attention(layer, query[:, :, 0], kwargs.get("scaling"), softcap)[:, None], None
         written = layer.cumulative_length  # device counter of the layer: no host read
-        if backend_for(query.device) == "torch":  # the PyTorch path: SDPA over the valid range, a few operations
+        if backend_for(query.device) == "torch" and softcap is None:  # PyTorch: SDPA over the valid range
             return self._sdpa_decode(layer, query, written, kwargs.get("scaling")), None
-        return self.static_decode_attention(layer, query[:, :, 0], kwargs.get("scaling"))[:, None], None
+        return self.static_decode_attention(layer, query[:, :, 0], kwargs.get("scaling"), softcap)[:, None], None
 
-    def static_decode_attention(self, layer, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def static_decode_attention(self, layer, query: torch.Tensor, scale: float | None,
+                                softcap: float | None = None) -> torch.Tensor:
         """query ``[B, Hq, D]`` over a static layer's valid positions ``[row_start, written)`` through
         ``sparse_decode_attention`` (a selection of every block) -> ``[B, Hq, D]``."""
         if self.all_blocks is None:
@@ -179,7 +193,19 @@ class StaticGeneration:
         blocks = self.all_blocks
         return sparse_decode_attention(query, layer.keys, layer.values, blocks.indices, blocks.counts,
                                        self.row_start, layer.cumulative_length.expand(self.batch),
-                                       block_size=blocks.block_size, scale=scale)
+                                       block_size=blocks.block_size, scale=scale, softcap=softcap)
+
+    def ring_decode_attention(self, layer: RingLayer, query: torch.Tensor, scale: float | None,
+                              softcap: float | None) -> torch.Tensor:
+        """query ``[B, Hq, D]`` over the slots of a sliding-window layer's ring that its window and the row's
+        padding leave (:func:`retrofit.static_cache.ring_selection`) -> ``[B, Hq, D]``; device ops only."""
+        offsets = self.ring_offsets.get(layer.size)
+        if offsets is None:
+            offsets = self.ring_offsets[layer.size] = torch.arange(layer.size, device=query.device)
+        indices, counts = ring_selection(layer, self.row_start, offsets, layer.keys.shape[1])
+        zeros = torch.zeros_like(self.row_start)
+        return sparse_decode_attention(query, layer.keys, layer.values, indices, counts, zeros,
+                                       zeros + layer.size, block_size=1, scale=scale, softcap=softcap)
 
     def _sdpa_decode(self, layer, query: torch.Tensor, written: torch.Tensor, scale: float | None) -> torch.Tensor:
         """query ``[B, Hq, 1, D]`` over the layer's valid positions ``[row_start, written)`` -> ``[B, 1, Hq, D]``."""

@@ -86,6 +86,37 @@ def test_sparse_decode_attention_matches_reference_fp32(case, splits):
     assert rel_rms(out, expected) < FP32_TOL
 
 
+@pytest.mark.parametrize("softcap", [5.0, 50.0], ids=["cap5", "cap50"])
+@pytest.mark.parametrize("case", ["smollm2-tokens-N75", "pages16-N63", "mha-D48-N63"])
+def test_softcapped_sparse_decode_attention_matches_reference_fp32(case, softcap):
+    """Logit softcapping (Gemma 2) in the kernel equals the reference's ``softcap * tanh(logit / softcap)``; the
+    inputs are scaled so that many logits sit in tanh's curved range (cap 5) or mostly in its linear one (cap 50)."""
+    B, Hq, Hkv, D, N, block_size, S = ATTENTION_CASES[case]
+    q, k, v, indices, counts, kv_start, kv_end = _attention_inputs(B, Hq, Hkv, D, N, block_size, S)
+    q = 4 * q
+    with nan_poisoned_allocations():
+        out = sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size, softcap=softcap,
+                                      num_splits=2)
+    expected = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, block_size, softcap=softcap)
+    assert rel_rms(out, expected) < FP32_TOL
+    uncapped = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, block_size)
+    assert rel_rms(uncapped, expected) > 10 * FP32_TOL  # the cap changes the result: the comparison can fail
+
+
+def test_softcapped_reference_is_gemma2s_eager_attention():
+    """The reference's softcap is Gemma 2's eager attention (scores scaled, capped, masked, softmax) on every key."""
+    B, Hq, Hkv, D, N = 2, 4, 2, 16, 30
+    q, k, v, _, _, _, _ = _attention_inputs(B, Hq, Hkv, D, N, 1, 1)
+    everything = torch.arange(N, dtype=torch.int32).expand(B, Hkv, N).contiguous()
+    full = torch.full((B, Hkv), N, dtype=torch.int32)
+    start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), N, dtype=torch.int32)
+    out = sparse_decode_attention_ref(4 * q, k, v, everything, full, start, end, 1, scale=0.3, softcap=5.0)
+    keys = k.repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.tanh(torch.einsum("bhd,bhnd->bhn", 4 * q, keys) * 0.3 / 5.0) * 5.0
+    expected = torch.einsum("bhn,bhnd->bhd", scores.softmax(-1), v.repeat_interleave(Hq // Hkv, dim=1))
+    assert rel_rms(out, expected) < FP32_TOL
+
+
 def test_sparse_decode_attention_empty_rows_give_zeros_and_full_selection_is_dense():
     """counts = 0 -> zeros; selecting every position equals dense softmax attention (SDPA) exactly (fp32)."""
     B, Hq, Hkv, D, N = 2, 9, 3, 64, 75
@@ -517,14 +548,15 @@ def test_topk_indices_gpu(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["uncapped", "cap5"])
 @pytest.mark.parametrize("case", list(ATTENTION_CASES), ids=list(ATTENTION_CASES))
-def test_sparse_decode_attention_bf16_gpu(case):
+def test_sparse_decode_attention_bf16_gpu(case, softcap):
     B, Hq, Hkv, D, N, block_size, S = ATTENTION_CASES[case]
     q, k, v, indices, counts, kv_start, kv_end = _attention_inputs(B, Hq, Hkv, D, N, block_size, S,
                                                                    dtype=torch.bfloat16, device="cuda")
     with nan_poisoned_allocations():
-        out = sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size)
-    expected = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, block_size)
+        out = sparse_decode_attention(q, k, v, indices, counts, kv_start, kv_end, block_size, softcap=softcap)
+    expected = sparse_decode_attention_ref(q, k, v, indices, counts, kv_start, kv_end, block_size, softcap=softcap)
     assert rel_rms(out, expected) < BF16_TOL
 
 
