@@ -19,24 +19,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 def softmax_attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """layer index -> attention module, for the layers that run standard transformers softmax attention.
+    """layer index -> attention module, for the layers whose softmax attention reads a cache that grows with the
+    context, as the model's architecture record says (:mod:`retrofit.architecture`): sliding-window layers (bounded
+    already), converted and native linear-attention layers are left out. A family without a record is a
+    RetrofitError (one line)."""
+    from retrofit.model_info import attention_layout
 
-    A module counts when it is a transformers attention module with q/k/v/o projections and a ``layer_idx``, and the
-    config does not mark its layer as sliding-window. Converted (linear-attention) layers are skipped.
-    """
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None) or []
-    found: dict[int, torch.nn.Module] = {}
-    for _, module in model.named_modules():
-        if not all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim")):
-            continue
-        if not type(module).__module__.startswith("transformers.models."):
-            continue
-        idx = module.layer_idx
-        if idx < len(layer_types) and layer_types[idx] not in ("full_attention", "attention"):
-            continue
-        found.setdefault(idx, module)
-    return dict(sorted(found.items()))
+    layout = attention_layout(model)
+    return {index: layout.attention_modules[index] for index in layout.unbounded_layers}
 
 
 def implementation_of(model: torch.nn.Module) -> str:

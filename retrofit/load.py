@@ -165,6 +165,12 @@ def _load_checked(source: str, path: str, gguf_file: str | None, dtype: torch.dt
                                     and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in declared)):
         raise RetrofitError(f"{source}: model type {config.model_type!r} is not a causal language model "
                             f"(architectures: {', '.join(config.architectures or ['unknown'])})")
+    from retrofit import architecture
+
+    try:
+        architecture.of(config)  # refused here, before any weight is read, when retrofit does not describe it
+    except RetrofitError as err:
+        raise RetrofitError(f"{source}: {err}") from None
     try:
         # the config read above: from_pretrained would read it again (for a GGUF file, a parse of all its metadata)
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=dtype)
@@ -172,6 +178,27 @@ def _load_checked(source: str, path: str, gguf_file: str | None, dtype: torch.dt
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None
     return model, tokenizer
+
+
+def model_config(source: str | os.PathLike):
+    """The transformers config of what :func:`load` would load from ``source``, read without its weights (an alias
+    is fetched first if it is not cached yet). RetrofitError (one line) on bad input."""
+    from transformers import AutoConfig
+
+    source = str(source)
+    if source in ALIASES:
+        path, gguf_file = reference_checkpoint(source), None
+    else:
+        path, gguf_file = _resolve_local_or_hub(source)
+    if Path(path).is_dir() and gguf_file is None and "retrofit" in read_config(path):
+        from retrofit.hybrid import register
+
+        register()
+    try:
+        with parsed_once() if gguf_file is not None else contextlib.nullcontext():
+            return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError) as err:
+        raise RetrofitError(f"{source}: cannot read the model config ({_first_line(err)})") from None
 
 
 def reference_checkpoint(alias: str) -> str:

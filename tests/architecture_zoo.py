@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-VOCAB = 320
+VOCAB = 49152  # SmolLM2's tokenizer, so that conversions read real calibration text
 WINDOW = 64
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
@@ -43,7 +43,7 @@ def _layer_pattern(sliding: int, total: int = 4) -> list[str]:
 
 ROWS: list[ZooRow] = [
     ZooRow("llama", "llama", lambda: _config("llama", attention_bias=True, head_dim=16)),
-    ZooRow("mistral", "mistral", lambda: _config("mistral", head_dim=16)),
+    ZooRow("mistral", "mistral", lambda: _config("mistral", head_dim=16, sliding_window=None)),
     ZooRow("mistral-window64", "mistral", lambda: _config("mistral", head_dim=16, sliding_window=WINDOW)),
     ZooRow("mixtral", "mixtral", lambda: _config("mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                                  sliding_window=None)),
@@ -79,6 +79,16 @@ ROWS: list[ZooRow] = [
 ]
 
 
+# A family that is a hybrid already (linear-attention layers of its own): sparse decoding patches its softmax layers
+# only, generation runs it, conversion refuses it.
+HYBRID_ROWS: list[ZooRow] = [
+    ZooRow("qwen3_next", "qwen3_next", lambda: _config(
+        "qwen3_next", head_dim=16, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+]
+
+
 def _gpt2():
     from transformers import GPT2Config
 
@@ -87,7 +97,8 @@ def _gpt2():
                       initializer_range=0.1)
 
 
-BY_NAME = {row.name: row for row in ROWS}
+BY_NAME = {row.name: row for row in ROWS + HYBRID_ROWS}
+FAMILIES = sorted({row.model_type for row in ROWS})
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -12,24 +12,27 @@ def to_hybrid(dense_model, section: HybridSection, share_weights: bool = True):
     """
     import torch
 
+    from retrofit import architecture
     from retrofit.convert.init import init_from_attention
 
+    arch = architecture.of(dense_model)
     config = hybrid_config(dense_model.config, section)
     config._attn_implementation = dense_model.config._attn_implementation
     param = next(dense_model.parameters())
     with torch.device("meta"):
         hybrid = model_class(section.base_model_type)(config)
     converted = set(section.layers)
+    prefixes = tuple(arch.attention_prefix(i) for i in converted)
     state = {k: (v if share_weights else v.clone()) for k, v in dense_model.state_dict().items()
-             if not _in_converted_attention(k, converted)}
+             if not k.startswith(prefixes)}
     missing, unexpected = hybrid.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"unexpected weights when building the hybrid: {unexpected[:5]}")
     for i in section.layers:
-        layer = hybrid.model.layers[i].self_attn
-        hybrid.model.layers[i].self_attn = layer = layer.to_empty(device=param.device).to(param.dtype)
+        layer = arch.attention_module(hybrid, i).to_empty(device=param.device).to(param.dtype)
+        arch.replace_attention(hybrid, i, layer)
         layer.reset_parameters()
-        init_from_attention(hybrid.model.layers[i].self_attn, dense_model.model.layers[i].self_attn)
+        init_from_attention(layer, arch.attention_module(dense_model, i), arch, architecture.text_config(dense_model))
     still_meta = [n for n, p in list(hybrid.named_parameters()) + list(hybrid.named_buffers()) if p.is_meta]
     if still_meta:  # non-persistent buffers (rotary inv_freq) are not in the state dict: take them from the dense model
         dense_buffers = dict(dense_model.named_buffers())
@@ -43,8 +46,3 @@ def to_hybrid(dense_model, section: HybridSection, share_weights: bool = True):
         hybrid.tie_weights()
     return hybrid.eval() if not dense_model.training else hybrid
 
-
-def _in_converted_attention(key: str, converted: set[int]) -> bool:
-    parts = key.split(".")
-    return (len(parts) > 4 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) in converted
-            and parts[3] == "self_attn")

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from retrofit import architecture
 from retrofit.convert.checkpoint import (
     full_optimizer_state,
     load_sharded_optimizer_state,
@@ -317,7 +318,8 @@ class Distiller:
         return model.eval()
 
     def converted_layers(self) -> dict[int, nn.Module]:
-        return {i: self.hybrid.model.layers[i].self_attn for i in self.layers}
+        arch = architecture.of(self.hybrid)
+        return {i: arch.attention_module(self.hybrid, i) for i in self.layers}
 
     def stage1(self) -> None:
         self.hybrid.requires_grad_(False)
@@ -370,7 +372,7 @@ class Distiller:
         wrapped, module, params, opt, sched, start, finish = self._prepare(
             2, model, param_groups, self.plan.stage2_steps,
             make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from),
-            units=lambda m: list(base(m).model.layers[first:]))
+            units=lambda m: list(architecture.of(base(m)).blocks(base(m))[first:]))
         capture = DecoderInputCapture(self.dense, first)
 
         def step_fn(batch):

@@ -4,32 +4,39 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from retrofit import architecture
+from retrofit.architecture import Architecture, Weight
+
 
 @torch.no_grad()
-def init_from_attention(layer: nn.Module, attention: nn.Module) -> None:
-    """Copy the dense attention's q/k/v/o projections into a GDN/KDA ``layer``.
+def init_from_attention(layer: nn.Module, attention: nn.Module, arch: Architecture, config) -> None:
+    """Copy the dense attention's q/k/v/o projections (and biases, and q/k norm weights) into a GDN/KDA ``layer``.
 
-    With ``expand_kv`` the layer has one key/value head per query head: the kv head's rows are repeated for each
-    query head of its group (``[H_kv * D, hidden] -> [H_q * D, hidden]``). The layer's other parameters keep their
-    own initialisation (identity conv, slow decay, output gate near 1).
+    ``arch``: the family's architecture record, which splits fused q/k/v projections (Phi-3, GPT-NeoX, Falcon,
+    GPT-2) into separate ``[out, in]`` matrices. With ``expand_kv`` the layer has one key/value head per query head:
+    the kv head's rows are repeated for each query head of its group (``[H_kv * D, hidden] -> [H_q * D, hidden]``).
+    The layer's other parameters keep their own initialisation (identity conv, slow decay, output gate near 1).
     """
-    copies = [("q_proj", attention.q_proj), ("o_proj", attention.o_proj)]
-    for name, source in copies:
-        _copy_linear(getattr(layer, name), source)
-    groups = layer.num_kv_heads // _kv_heads(attention, layer)
-    for name in ("k_proj", "v_proj"):
-        _copy_linear(getattr(layer, name), getattr(attention, name), repeat_heads=groups, head_dim=layer.head_dim)
+    parts = arch.projections(attention, config)
+    _copy_linear(layer.q_proj, parts.q)
+    _copy_linear(layer.o_proj, parts.o)
+    groups = layer.num_kv_heads // arch.num_kv_heads(config)
+    _copy_linear(layer.k_proj, parts.k, repeat_heads=groups, head_dim=layer.head_dim)
+    _copy_linear(layer.v_proj, parts.v, repeat_heads=groups, head_dim=layer.head_dim)
+    if layer.shape.qk_norm is not None:
+        layer.q_norm.weight.copy_(attention.q_norm.weight)
+        k_weight = attention.k_norm.weight
+        if layer.shape.qk_norm == "projection" and groups > 1:
+            k_weight = k_weight.view(-1, layer.head_dim).repeat_interleave(groups, 0).reshape(-1)
+        layer.k_norm.weight.copy_(k_weight)
 
 
-def _kv_heads(attention: nn.Module, layer: nn.Module) -> int:
-    return attention.k_proj.weight.shape[0] // layer.head_dim
-
-
-def _copy_linear(target: nn.Linear, source: nn.Linear, repeat_heads: int = 1, head_dim: int = 0) -> None:
+def _copy_linear(target: nn.Linear, source: Weight, repeat_heads: int = 1, head_dim: int = 0) -> None:
     weight, bias = source.weight, source.bias
     if repeat_heads > 1:
-        weight = weight.view(-1, head_dim, weight.shape[-1]).repeat_interleave(repeat_heads, 0).reshape(-1, weight.shape[-1])
-        bias = None if bias is None else bias.view(-1, head_dim).repeat_interleave(repeat_heads, 0).reshape(-1)
+        weight = weight.reshape(-1, head_dim, weight.shape[-1]).repeat_interleave(repeat_heads, 0).reshape(
+            -1, weight.shape[-1])
+        bias = None if bias is None else bias.reshape(-1, head_dim).repeat_interleave(repeat_heads, 0).reshape(-1)
     if target.weight.shape != weight.shape:
         raise ValueError(f"cannot initialise a {tuple(target.weight.shape)} projection from {tuple(weight.shape)}")
     target.weight.copy_(weight)
@@ -38,6 +45,8 @@ def _copy_linear(target: nn.Linear, source: nn.Linear, repeat_heads: int = 1, he
             target.bias.zero_()
         else:
             target.bias.copy_(bias)
+    elif bias is not None:
+        raise ValueError("the dense projection has a bias the converted layer has no place for")
 
 
 @torch.no_grad()
@@ -51,8 +60,9 @@ def match_output_scale(layers: dict[int, nn.Module], dense: nn.Module, input_ids
     """
     records: dict[int, torch.Tensor] = {}
     handles = []
+    arch = architecture.of(dense)
     for i in layers:
-        o_proj = dense.model.layers[i].self_attn.o_proj
+        o_proj = arch.output_projection(arch.attention_module(dense, i))
 
         def hook(module, args, i=i):
             records[i] = args[0].detach()

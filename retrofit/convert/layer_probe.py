@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from retrofit import architecture
+
 PROBE_TOKENS_PER_PASS = 1024  # tokens of probe windows per dense pass (at least one window)
 LOGIT_ROWS = 512  # positions whose logits exist at once: 512 x 49152 fp32 = 100 MB per tensor for SmolLM2
 
@@ -32,10 +34,12 @@ def align_every_layer(dense, windows: torch.Tensor, layer_type: str, steps: int,
     from retrofit.convert.objectives import AttentionCapture, LayerAligner, warmup_cosine
     from retrofit.hybrid import HybridSection
 
-    everything = list(range(len(dense.model.layers)))
-    section = HybridSection(layers=everything, layer_type=layer_type, base_model_type=dense.config.model_type)
+    arch = architecture.of(dense)
+    everything = list(range(len(arch.blocks(dense))))
+    section = HybridSection(layers=everything, layer_type=layer_type,
+                            base_model_type=architecture.base_model_type(dense.config))
     candidates = to_hybrid(dense, section)
-    replacements = {i: candidates.model.layers[i].self_attn for i in everything}
+    replacements = {i: arch.attention_module(candidates, i) for i in everything}
     aligner = LayerAligner(replacements).train()
     aligner.requires_grad_(True)
     dense.requires_grad_(False)
@@ -96,25 +100,30 @@ def swap_kl(dense, replacements: dict[int, torch.nn.Module], probe: torch.Tensor
     from retrofit.convert.objectives import DecoderInputCapture, StudentTail
 
     layers = sorted(replacements)
+    arch = architecture.of(dense)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:  # the LM head with the family's multiplier and softcap
+        return arch.logits(dense, hidden)
+
     totals = dict.fromkeys(layers, 0.0)
     chunks = list(_window_chunks(probe))
     bar = _progress_bar(len(chunks) * len(layers), show_progress, "scoring: KL probe per layer", "layer")
     for windows in chunks:
         captures = {i: DecoderInputCapture(dense, i) for i in layers}
         try:
-            teacher = log_probs(dense.model(input_ids=windows, use_cache=False).last_hidden_state, dense.lm_head)
+            teacher = log_probs(dense.base_model(input_ids=windows, use_cache=False).last_hidden_state, head,
+                                dense.config.vocab_size)
         finally:
             for capture in captures.values():
                 capture.remove()
         for i in layers:
-            block = dense.model.layers[i]
-            original, block.self_attn = block.self_attn, replacements[i]
+            original = arch.replace_attention(dense, i, replacements[i])
             try:
                 record = captures[i].record
                 student = StudentTail(dense, i).final_hidden(record["hidden_states"], record["kwargs"])
             finally:
-                block.self_attn = original
-            totals[i] += summed_kl(student, teacher, dense.lm_head)
+                arch.replace_attention(dense, i, original)
+            totals[i] += summed_kl(student, teacher, head)
             if bar is not None:
                 bar.update(1)
         del captures, teacher
@@ -124,17 +133,17 @@ def swap_kl(dense, replacements: dict[int, torch.nn.Module], probe: torch.Tensor
     return {i: totals[i] / tokens for i in layers}
 
 
-def log_probs(hidden: torch.Tensor, lm_head: torch.nn.Module, rows: int = LOGIT_ROWS) -> torch.Tensor:
+def log_probs(hidden: torch.Tensor, lm_head, vocab: int, rows: int = LOGIT_ROWS) -> torch.Tensor:
     """Final hidden states ``[B, T, hidden]`` -> next-token log-probabilities ``[B * T, vocab]`` (float32), the
-    logits built ``rows`` positions at a time."""
+    logits (``lm_head``: final hidden ``[N, hidden]`` -> ``[N, vocab]``) built ``rows`` positions at a time."""
     hidden = hidden.flatten(0, 1)
-    out = torch.empty(hidden.shape[0], lm_head.out_features, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(hidden.shape[0], vocab, dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], rows):
         out[start:start + rows] = F.log_softmax(lm_head(hidden[start:start + rows]).float(), dim=-1)
     return out
 
 
-def summed_kl(student_hidden: torch.Tensor, teacher_log_probs: torch.Tensor, lm_head: torch.nn.Module,
+def summed_kl(student_hidden: torch.Tensor, teacher_log_probs: torch.Tensor, lm_head,
               rows: int = LOGIT_ROWS) -> float:
     """Sum over positions of KL(teacher || student): the student's distribution is ``lm_head`` on its final hidden
     states ``[B, T, hidden]``, ``rows`` positions at a time; the teacher's is given as ``[B * T, vocab]``

@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from retrofit import architecture
+
 
 def warmup_cosine(total_steps: int, warmup: float, floor: float = 0.1) -> Callable[[int], float]:
     warm = max(1, round(total_steps * warmup)) if warmup > 0 else 0
@@ -37,8 +39,9 @@ class AttentionCapture:
         self.layers = sorted(layers)
         self.records: dict[int, dict] = {}
         self.handles = []
+        arch = architecture.of(model)
         for i in self.layers:
-            attn = model.model.layers[i].self_attn
+            attn = arch.attention_module(model, i)
             self.handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(attn.register_forward_hook(self._post(i)))
 
@@ -106,19 +109,29 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 
 
 class DecoderInputCapture:
-    """Records the input (hidden states and keyword arguments) of one decoder layer during a forward pass."""
+    """Records, during a forward pass, the input hidden states of decoder layer ``layer`` and the keyword arguments
+    of it and every later layer: ``record = {"hidden_states": [B, T, hidden], "kwargs": {index: kwargs}}``. Layers
+    may differ in what they are passed (a sliding-window layer's mask, Gemma 3's local rotary), so each keeps its
+    own (the tensors are the model's, shared: nothing is copied)."""
 
     def __init__(self, model: nn.Module, layer: int):
         self.record: dict = {}
-        self.handle = model.model.layers[layer].register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.first = layer
+        blocks = architecture.of(model).blocks(model)
+        self.handles = [blocks[index].register_forward_pre_hook(self._hook(index), with_kwargs=True)
+                        for index in range(layer, len(blocks))]
 
-    def _hook(self, module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        self.record = {"hidden_states": hidden, "kwargs": rest}
+    def _hook(self, index: int):
+        def hook(module, args, kwargs):
+            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            if index == self.first:
+                self.record = {"hidden_states": args[0] if args else kwargs["hidden_states"], "kwargs": {}}
+            self.record["kwargs"][index] = rest
+        return hook
 
     def remove(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 class StudentTail(nn.Module):
@@ -135,36 +148,51 @@ class StudentTail(nn.Module):
     def __init__(self, model: nn.Module, first: int, checkpoint_from: int = 0):
         super().__init__()
         self.model, self.first, self.checkpoint_from = model, first, checkpoint_from
+        self.architecture = architecture.of(model)
 
-    def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
-        """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> logits ``[B, T, vocab]``."""
-        return self.model.lm_head(self.final_hidden(hidden_states, layer_kwargs))
+    def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]) -> torch.Tensor:
+        """hidden_states ``[B, T, hidden]`` (input of layer ``first``), each layer's keyword arguments
+        (:class:`DecoderInputCapture`) -> logits ``[B, T, vocab]`` as the causal LM computes them (the family's
+        multiplier and final softcap included)."""
+        return self.architecture.logits(self.model, self.final_hidden(hidden_states, layer_kwargs))
 
-    def final_hidden(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+    def final_hidden(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> the final-norm output ``[B, T, hidden]``
         that the LM head reads."""
         recompute = torch.is_grad_enabled() and 0 < self.checkpoint_from <= hidden_states.shape[1]
-        for layer in self.model.model.layers[self.first:]:
+        blocks = self.architecture.blocks(self.model)
+        for index in range(self.first, len(blocks)):
+            layer, kwargs = blocks[index], layer_kwargs[index]
             if recompute:
-                out = checkpoint(layer, hidden_states, use_reentrant=False, **layer_kwargs)
+                out = checkpoint(layer, hidden_states, use_reentrant=False, **kwargs)
             else:
-                out = layer(hidden_states, **layer_kwargs)
+                out = layer(hidden_states, **kwargs)
             hidden_states = out[0] if isinstance(out, tuple) else out
-        return self.model.model.norm(hidden_states)
+        return self.architecture.final_norm_of(self.model)(hidden_states)
 
 
 def lora_target_names(model: nn.Module, converted: list[int], groups: list[str]) -> list[str]:
-    """Full module names of the projections LoRA adapts, from the first converted layer on: attention q/k/v/o of
-    the layers kept dense and MLP gate/up/down."""
+    """Full module names of the projections LoRA adapts, from the first converted layer on: the attention
+    projections of the layers kept softmax and the MLP's projections, as the family's architecture record names
+    them (fused q/k/v where the family fuses them; a mixture of experts' MLP is left out)."""
+    arch = architecture.of(model)
+    config = architecture.text_config(model)
     names = []
-    wanted = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
     first = min(converted)
-    for i, layer in enumerate(model.model.layers):
+    for i, block in enumerate(arch.blocks(model)):
         if i < first:
             continue
         if "attention" in groups and i not in converted:
-            names += [f"model.layers.{i}.self_attn.{p}" for p in wanted["attention"]
-                      if isinstance(getattr(layer.self_attn, p, None), nn.Linear)]
+            attention = arch.attention_of(block)
+            names += [f"{arch.attention_prefix(i)}{p}" for p in arch.attention_projection_names(config)
+                      if _adaptable(getattr(attention, p, None))]
         if "mlp" in groups:
-            names += [f"model.layers.{i}.mlp.{p}" for p in wanted["mlp"] if isinstance(getattr(layer.mlp, p, None), nn.Linear)]
+            mlp = getattr(block, arch.mlp)
+            names += [f"{arch.block_prefix(i)}{arch.mlp}.{p}" for p in arch.mlp_projections
+                      if _adaptable(getattr(mlp, p, None))]
     return names
+
+
+def _adaptable(module) -> bool:
+    """A projection peft's LoRA adapts: ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"

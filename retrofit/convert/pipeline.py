@@ -26,6 +26,20 @@ def _refuse_options_that_do_nothing(given: dict, config) -> None:
         raise RetrofitError("--lr-lora applies to LoRA, which --lora-rank 0 turns off")
 
 
+def _refuse_layer_options_the_family_cannot_take(spec, config) -> None:
+    """``use_rope`` rotates q and k as Llama does (halves, on the family's rotary channels): refused in one line for a
+    family that rotates adjacent pairs or leaves some layers unrotated."""
+    from retrofit import architecture
+
+    if not spec.use_rope:
+        return
+    arch = architecture.of(config)
+    text = architecture.text_config(config)
+    if arch.rotary_interleaved or any(layer.rotary_dims == 0 for layer in arch.layers(text)):
+        raise RetrofitError(f"layer_spec use_rope: {arch.model_type} rotates q and k in a way converted layers do not "
+                            "(adjacent pairs, or some layers without rotation); convert without use_rope")
+
+
 def _init_distributed(device: str | None) -> torch.device:
     """Under torchrun, start the process group (NCCL on GPU) and return this rank's device."""
     import torch.distributed as dist
@@ -64,8 +78,9 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     from retrofit.convert.data import calibration_files
     from retrofit.convert.distill import DistillConfig
     from retrofit.convert.select_settings import SelectSettings
+    from retrofit.hybrid import conversion_refusal
     from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
-    from retrofit.load import load
+    from retrofit.load import load, model_config
 
     settings = load_recipe(recipe)
     preloaded = model if isinstance(model, tuple) else None
@@ -99,6 +114,13 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     except (TypeError, ValueError) as err:
         raise RetrofitError(f"bad setting: {err}") from None
     _refuse_options_that_do_nothing(overrides, config)
+    dense_config = preloaded[0].config if preloaded is not None else (
+        model_config(settings["model"]) if settings.get("model") else None)
+    if dense_config is not None:  # before any weight is loaded
+        refusal = conversion_refusal(dense_config)
+        if refusal is not None:
+            raise RetrofitError(f"cannot convert: {refusal}")
+        _refuse_layer_options_the_family_cannot_take(spec, dense_config)
 
     import time
 
@@ -183,7 +205,9 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
         dist.broadcast_object_list(shared, src=0)
         chosen = shared[0]
 
-    section = HybridSection(layers=chosen, layer_type=kind, base_model_type=dense.config.model_type,
+    from retrofit import architecture
+
+    section = HybridSection(layers=chosen, layer_type=kind, base_model_type=architecture.base_model_type(dense.config),
                             layer_spec=spec.to_dict())
     hybrid = to_hybrid(dense, section, share_weights=False)
     fingerprint = {**run_key, "layers": chosen}

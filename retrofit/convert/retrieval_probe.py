@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from retrofit import architecture
 from retrofit.attention_functions import attention_function, dense_attention, implementation_of
 from retrofit.errors import RetrofitError
 
@@ -122,19 +123,26 @@ def needle_probes(tokenizer, paths: list[str], context: int, count: int, seed: i
     return probes
 
 
-def answer_row_attention(query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, scaling: float) -> torch.Tensor:
+def answer_row_attention(query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, scaling: float,
+                         window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal softmax attention weights of the query ``rows`` only.
 
     query ``[B, Hq, T, d]`` and key ``[B, Hkv, T, d]`` as transformers' attention interface passes them (post-RoPE;
     Hq a multiple of Hkv, grouped heads share a key head), rows ``[R]`` -> weights ``[B, Hq, R, T]`` (float32; keys
-    after a row's position get weight 0).
+    after a row's position, or ``window`` or more before it, get weight 0; ``softcap`` caps the logits as the
+    layer does, ``softcap * tanh(logit / softcap)``).
     """
     B, hq, T, d = query.shape
     hkv = key.shape[1]
     q = query[:, :, rows].float().reshape(B, hkv, (hq // hkv) * rows.numel(), d)
     scores = (q @ key.float().transpose(-1, -2)).reshape(B, hq, rows.numel(), T) * scaling
-    future = torch.arange(T, device=query.device)[None, :] > rows.to(query.device)[:, None]
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    positions, rows = torch.arange(T, device=query.device)[None, :], rows.to(query.device)[:, None]
+    hidden = positions > rows
+    if window is not None:
+        hidden |= positions <= rows - window
+    return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
 
 
 @dataclass
@@ -163,19 +171,15 @@ class _AnswerRowStatistics:
     """Attention function for one probe: runs the model's own attention unchanged and accumulates, per layer, the
     needle mass and copy hits of every query head over the probe's answer rows."""
 
-    def __init__(self, implementation: str, probe: NeedleProbe, sums: dict[str, torch.Tensor]):
-        self.implementation, self.probe, self.sums = implementation, probe, sums
+    def __init__(self, implementation: str, probe: NeedleProbe, sums: dict[str, torch.Tensor], layers):
+        self.implementation, self.probe, self.sums, self.layers = implementation, probe, sums, layers
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         output = dense_attention(self.implementation, module, query, key, value, attention_mask, **kwargs)
-        unsupported = [name for name in ("sliding_window", "softcap") if kwargs.get(name)]
-        if unsupported:
-            raise RetrofitError(f"the retrieval probe reads plain causal softmax attention; layer {module.layer_idx} "
-                                f"uses {' and '.join(unsupported)} (rank without it: --retrieval-probes 0 "
-                                "--retrieval-weight 0)")
         probe = self.probe
-        scaling = kwargs.get("scaling") or module.scaling
-        weights = answer_row_attention(query, key, probe.answer_rows, scaling)[0]  # [Hq, R, T]
+        facts = self.layers[module.layer_idx]  # the layer's window and softcap, as its architecture record says
+        weights = answer_row_attention(query, key, probe.answer_rows, facts.scaling, facts.window,
+                                       facts.softcap)[0]  # [Hq, R, T]
         needle = probe.needle_positions.to(weights.device)
         layer = module.layer_idx
         self.sums["mass"][layer] += weights[:, :, needle].sum(dim=-1).sum(dim=-1).cpu()
@@ -196,7 +200,9 @@ def retrieval_head_scores(model, probes: list[NeedleProbe], show_progress: bool 
     if not probes:
         raise RetrofitError("no retrieval probes to score")
     config = model.config.get_text_config(decoder=True)
-    num_layers, heads = config.num_hidden_layers, config.num_attention_heads
+    arch = architecture.of(config)
+    layers = arch.layers(config)
+    num_layers, heads = config.num_hidden_layers, arch.num_heads(config)
     sums = {"mass": torch.zeros(num_layers, heads, dtype=torch.float64),
             "copy": torch.zeros(num_layers, heads, dtype=torch.float64)}
     device = next(model.parameters()).device
@@ -209,7 +215,7 @@ def retrieval_head_scores(model, probes: list[NeedleProbe], show_progress: bool 
 
         iterator = tqdm(probes, desc="scoring: retrieval probes", unit="probe")
     for probe in iterator:
-        statistics = _AnswerRowStatistics(implementation, probe, sums)
+        statistics = _AnswerRowStatistics(implementation, probe, sums, layers)
         with attention_function(model, statistics, "retrieval_probe"):
             logits = model(input_ids=probe.input_ids[None].to(device), use_cache=False,
                            logits_to_keep=probe.answer_rows.to(device)).logits[0]  # [R, vocab]

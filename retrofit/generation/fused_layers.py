@@ -20,8 +20,10 @@ the modules' Parameters become views of it (the same Parameter objects and value
 one GEMM takes 20.9 us instead of 30.9 at Llama-3-8B's shapes on an H100: BENCHMARKS.md, Kernel time per decode
 token). ``save_pretrained`` writes such views as separate tensors.
 
-Supported: Llama, Mistral and Qwen2 decoder layers (their forward is the one above) whose norms are the model's
-RMSNorm and whose MLP is SiLU-gated with plain ``nn.Linear`` projections. The rotation and the cache write are fused
+Supported: the decoder layers of the families whose architecture record says their forward is the one above
+(``Architecture.decode_fusion``: Llama, Mistral, Qwen2) whose norms are the model's RMSNorm and whose MLP is SiLU-gated
+with plain ``nn.Linear`` projections; the attention part only where the layer's record has no window shorter than the
+cache, no logit softcap and rotary over the whole head. Every other layer runs unfused (``retrofit bench`` says which). The rotation and the cache write are fused
 where the attention module is the model's own with plain projections and the layer's cache is a plain
 ``transformers.cache_utils.StaticLayer`` (the engine's dense cache; the engine's decode attention follows) or a
 ``retrofit.sparse_decoding`` session's ``SparseLayer`` whose method stores decode tokens the default way (the
@@ -47,13 +49,11 @@ from typing import Callable, Iterator
 import torch
 from transformers.cache_utils import StaticLayer
 
+from retrofit import architecture
+from retrofit.architecture import Architecture, LayerAttention
 from retrofit.kernels import add_rms_norm, rms_norm, rotary_qk_into_cache, silu_mul
 from retrofit.sparse.cache import SparseLayer
 from retrofit.sparse.patch import SparseSession
-
-DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
-ATTENTION_MODULES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
-RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 
 # (layer's StaticLayer, rotated queries [B, Hq, D], scale) -> attention output [B, Hq, D]
 DecodeAttention = Callable[[StaticLayer, torch.Tensor, float], torch.Tensor]
@@ -76,8 +76,9 @@ def forwards_replaced(replacements: list[tuple[torch.nn.Module, Callable]]) -> I
                 module.forward = previous
 
 
-def _from_transformers(module: torch.nn.Module, names: frozenset[str]) -> bool:
-    return type(module).__name__ in names and type(module).__module__.startswith("transformers.models.")
+def _from_transformers(module: torch.nn.Module) -> bool:
+    """A module of a transformers modeling file (not a wrapper or a replacement put there)."""
+    return module is not None and type(module).__module__.startswith("transformers.models.")
 
 
 def _is_silu(activation) -> bool:
@@ -221,7 +222,9 @@ class Norm:
 
     @classmethod
     def of(cls, module) -> "Norm | None":
-        if not _from_transformers(module, RMS_NORMS):
+        """The norm of a Llama-style RMSNorm module (``weight * normed``, ``variance_epsilon``), else None."""
+        if not (_from_transformers(module) and type(module).__name__.endswith("RMSNorm")
+                and hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor)):
             return None
         return cls(module.weight, float(module.variance_epsilon))
 
@@ -238,11 +241,14 @@ class FusedAttention:
     scale: float
 
     @classmethod
-    def of(cls, module) -> "FusedAttention | None":
-        if not _from_transformers(module, ATTENTION_MODULES):
+    def of(cls, module, facts: LayerAttention, head_dim: int) -> "FusedAttention | None":
+        """The fused attention of ``module`` (a softmax layer whose record is ``facts``), or None where the layer is
+        not one the fused rotation and attention compute: a logit softcap or a partial rotation. (A sliding window
+        shorter than the cache puts the layer in a ring, which :meth:`FusedDecoderLayer.route` leaves to the layer's
+        own attention; a longer one never acts.)"""
+        if not _from_transformers(module) or not facts.softmax:
             return None
-        config = getattr(module, "config", None)
-        if getattr(config, "partial_rotary_factor", 1.0) != 1.0 or getattr(module, "sliding_window", None):
+        if facts.softcap is not None or facts.rotary_dims != head_dim:
             return None
         o = Projection.of(getattr(module, "o_proj", None))
         if o is None:
@@ -259,9 +265,11 @@ class FusedDecoderLayer:
     layer's own while installed and runs the layer's own for anything but a decode token of the fusion's step."""
 
     def __init__(self, layer: torch.nn.Module, fusion: "DecodeFusion", input_norm: Norm, post_norm: Norm,
-                 gate: Projection, up: Projection, down: Projection, attention: FusedAttention | None):
+                 gate: Projection, up: Projection, down: Projection, attention: FusedAttention | None,
+                 attention_module: torch.nn.Module):
         self.layer, self.fusion = layer, fusion
-        self.index = layer.self_attn.layer_idx
+        self.attention_module = attention_module
+        self.index = attention_module.layer_idx
         self.input_norm, self.post_norm = input_norm, post_norm
         self.gate, self.up, self.down = gate, up, down
         self.attention = attention
@@ -269,16 +277,18 @@ class FusedDecoderLayer:
         self.step_route: str | None = None  # this step's route(), set by DecodeFusion.decoding
         # an attention module of another kind that names the projections of its input (a converted layer: q, k, v
         # and its gates' first projections) runs them as one GEMM
-        self.input_modules = tuple(layer.self_attn.input_projections()) if (
-            attention is None and hasattr(layer.self_attn, "input_projections")) else ()
+        self.input_modules = tuple(attention_module.input_projections()) if (
+            attention is None and hasattr(attention_module, "input_projections")) else ()
         self.inputs = MergedProjection.of(self.input_modules) if self.input_modules else None
 
     @classmethod
-    def of(cls, layer: torch.nn.Module, fusion: "DecodeFusion") -> "FusedDecoderLayer | None":
-        """The fused forward of ``layer``, or None where its structure is not the supported one."""
-        if not _from_transformers(layer, DECODER_LAYERS):
+    def of(cls, layer: torch.nn.Module, fusion: "DecodeFusion", arch: Architecture, facts: LayerAttention,
+           head_dim: int) -> "FusedDecoderLayer | None":
+        """The fused forward of ``layer`` (its family's record ``arch``, the layer's ``facts``), or None where its
+        structure is not the supported one."""
+        if not (arch.decode_fusion and _from_transformers(layer)):
             return None
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        attn, mlp = getattr(layer, arch.attention, None), getattr(layer, arch.mlp, None)
         if attn is None or mlp is None or not isinstance(getattr(attn, "layer_idx", None), int):
             return None
         norms = Norm.of(getattr(layer, "input_layernorm", None)), Norm.of(getattr(layer, "post_attention_layernorm",
@@ -286,7 +296,7 @@ class FusedDecoderLayer:
         projections = [Projection.of(getattr(mlp, name, None)) for name in ("gate_proj", "up_proj", "down_proj")]
         if None in norms or None in projections or not _is_silu(getattr(mlp, "act_fn", None)):
             return None
-        return cls(layer, fusion, *norms, *projections, FusedAttention.of(attn))
+        return cls(layer, fusion, *norms, *projections, FusedAttention.of(attn, facts, head_dim), attn)
 
     def route(self) -> str | None:
         """Where this step's token goes: ``"static"`` (rotated, written and attended here over a ``StaticLayer``: the
@@ -320,7 +330,7 @@ class FusedDecoderLayer:
     def _own_attention(self, normed: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """normed [B, 1, H] -> the layer's own attention module's output [B, 1, H]: StreamingLLM's attention (its
         q, k and v served from one GEMM), a converted layer's recurrence (its input projections served from one)."""
-        attn = self.layer.self_attn
+        attn = self.attention_module
         if self.attention is None:
             if self.inputs is None:
                 return attn(hidden_states=normed, **kwargs)[0]
@@ -376,14 +386,17 @@ class DecodeFusion:
         self.active = False
         self.layers: list[FusedDecoderLayer] = []
         self.final_norm: FusedNorm | None = None
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        for layer in getattr(decoder, "layers", None) or []:
-            fused = FusedDecoderLayer.of(layer, self)
+        arch = architecture.of(model)
+        config = architecture.text_config(model)
+        head_dim = arch.head_dim(config)
+        for layer, facts in zip(arch.blocks(model), arch.layers(config)):
+            fused = FusedDecoderLayer.of(layer, self, arch, facts, head_dim)
             if fused is not None:
                 self.layers.append(fused)
-        norm = Norm.of(getattr(decoder, "norm", None))
+        final = arch.final_norm_of(model)
+        norm = Norm.of(final)
         if norm is not None and self.layers:
-            self.final_norm = FusedNorm(decoder.norm, norm, self)
+            self.final_norm = FusedNorm(final, norm, self)
 
     def fused_layer_indices(self) -> list[int]:
         """The layers whose decode step runs fused (the audit of what :meth:`installed` replaces)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from retrofit.hybrid.section import SUPPORTED_BASES, HybridSection, check_base_type, hybrid_model_type
+from retrofit.hybrid.section import HybridSection, check_base_type, hybrid_model_type, supported_bases
 
 
 @lru_cache(maxsize=None)
@@ -63,32 +63,35 @@ def register() -> None:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for base in SUPPORTED_BASES:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for base in supported_bases():
+        if base not in CONFIG_MAPPING:  # a family this transformers release does not have
+            continue
         AutoConfig.register(hybrid_model_type(base), config_class(base), exist_ok=True)
         AutoModelForCausalLM.register(config_class(base), _lazy_model_class(base), exist_ok=True)
     _registered = True
 
 
 def install_linear_layers(model, section: HybridSection) -> None:
-    """Replace ``model.model.layers[i].self_attn`` by a fresh GDN/KDA layer for every ``i`` in ``section.layers``."""
+    """Put a fresh GDN/KDA layer where the attention module of every layer in ``section.layers`` is (the family's
+    architecture record says where)."""
+    from retrofit import architecture
     from retrofit.layers import LAYER_TYPES, AttentionShape, LinearAttentionSpec
 
     layer_cls = LAYER_TYPES.get(section.layer_type)
+    arch = architecture.for_type(section.base_model_type)
     shape = AttentionShape.from_config(model.config)
     spec = LinearAttentionSpec.from_dict(section.layer_spec)
-    decoder_layers = model.model.layers
     for i in section.layers:
-        old = decoder_layers[i].self_attn
-        param = next(old.parameters())
-        decoder_layers[i].self_attn = layer_cls(shape, i, spec).to(device=param.device, dtype=param.dtype)
+        param = next(arch.attention_module(model, i).parameters())
+        arch.replace_attention(model, i, layer_cls(shape, i, spec).to(device=param.device, dtype=param.dtype))
 
 
 def hybrid_config(dense_config, section: HybridSection):
-    """The hybrid config: every field of the dense config, ``model_type`` retrofit_<base>, ``retrofit``, ``layer_types``."""
+    """The hybrid config: every field of the dense config (``layer_types`` included: the base modeling code picks
+    each layer's mask by it), ``model_type`` retrofit_<base> and the ``retrofit`` section."""
     values = dense_config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "retrofit", "layer_types"):
+    for key in ("model_type", "architectures", "transformers_version", "retrofit"):
         values.pop(key, None)
-    converted = set(section.layers)
-    layer_types = ["linear_attention" if i in converted else "full_attention"
-                   for i in range(dense_config.num_hidden_layers)]
-    return config_class(section.base_model_type)(**values, retrofit=section.to_dict(), layer_types=layer_types)
+    return config_class(section.base_model_type)(**values, retrofit=section.to_dict())

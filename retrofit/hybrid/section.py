@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from retrofit.errors import RetrofitError
 
 RETROFIT_VERSION = 1
-SUPPORTED_BASES = ("llama", "qwen2", "mistral")
 
 
 @dataclass
@@ -40,8 +39,29 @@ def hybrid_model_type(base_type: str) -> str:
     return f"retrofit_{base_type}"
 
 
+def supported_bases() -> list[str]:
+    """The families a hybrid can be built on: every architecture record that does not refuse conversion outright
+    (a config may still be refused for an option it sets: :func:`conversion_refusal`)."""
+    from retrofit.architecture import ARCHITECTURES
+
+    return [name for name in ARCHITECTURES.names() if not ARCHITECTURES.get(name).already_hybrid]
+
+
 def check_base_type(base_type: str) -> None:
     """RetrofitError unless a ``base_type`` model (config.model_type) can be converted to a hybrid."""
-    if base_type not in SUPPORTED_BASES:
+    if base_type not in supported_bases():
         raise RetrofitError(f"model type {base_type!r} cannot be converted to a hybrid; supported: "
-                            f"{', '.join(SUPPORTED_BASES)}")
+                            f"{', '.join(supported_bases())}")
+
+
+def conversion_refusal(config) -> str | None:
+    """Why a dense model of ``config`` cannot be converted (one line naming the reason), or None: no architecture
+    record, a family that is a hybrid already, or an option of the config the converted layers do not carry."""
+    from retrofit import architecture
+
+    base = architecture.base_model_type(config)
+    if not architecture.describes(base):
+        return (f"model type {base!r} has no architecture record in retrofit; described: "
+                f"{', '.join(architecture.ARCHITECTURES.names())}")
+    reason = architecture.for_type(base).conversion_refusal(architecture.text_config(config))
+    return None if reason is None else f"{base}: {reason}"

@@ -20,7 +20,7 @@ from retrofit.kernels import (
     log_decay_ref,
     sigmoid_gated_rms_norm,
 )
-from retrofit.layers.modules import GatedRMSNorm, ShortConvolution, rotate
+from retrofit.layers.modules import GatedRMSNorm, ProjectionNorm, ShortConvolution, rotate
 from retrofit.layers.spec import AttentionShape, LinearAttentionSpec
 from retrofit.layers.state import cache_states, padding_mask, store_states
 
@@ -51,10 +51,14 @@ class DeltaRuleAttention(nn.Module):
         self.num_kv_heads = shape.num_heads if spec.expand_kv else shape.num_kv_heads
         self.head_dim = d = shape.head_dim
         hidden, hq, hk = shape.hidden_size, self.num_heads, self.num_kv_heads
-        self.q_proj = nn.Linear(hidden, hq * d, bias=shape.bias)
-        self.k_proj = nn.Linear(hidden, hk * d, bias=shape.bias)
-        self.v_proj = nn.Linear(hidden, hk * d, bias=shape.bias)
-        self.o_proj = nn.Linear(hq * d, hidden, bias=shape.bias)
+        self.q_proj = nn.Linear(hidden, hq * d, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(hidden, hk * d, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(hidden, hk * d, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(hq * d, hidden, bias=shape.o_bias)
+        if shape.qk_norm is not None:  # the dense attention's q/k norm, kept (per head, or over the projection)
+            q_dim, k_dim = (d, d) if shape.qk_norm == "head" else (hq * d, hk * d)
+            self.q_norm = ProjectionNorm(q_dim, shape.qk_norm_eps, shape.qk_norm_unit_offset)
+            self.k_norm = ProjectionNorm(k_dim, shape.qk_norm_eps, shape.qk_norm_unit_offset)
         self.conv = ShortConvolution((hq + 2 * hk) * d, spec.conv_size)
         self.b_proj = nn.Linear(hidden, hk, bias=True)
         self.o_norm = GatedRMSNorm(hq, d)
@@ -69,6 +73,9 @@ class DeltaRuleAttention(nn.Module):
     def reset_parameters(self) -> None:
         """Initial values of everything not copied from the dense attention (also after ``to_empty``)."""
         self.conv.reset_parameters()
+        if self.shape.qk_norm is not None:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
         with torch.no_grad():
             self.o_norm.weight.fill_(1.0)
         self.reset_gates()
@@ -120,14 +127,14 @@ class DeltaRuleAttention(nn.Module):
 
     # ----- forward -----
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+                past_key_values=None, cache=None, layer_past=None, **kwargs) -> tuple[torch.Tensor, None]:
         """hidden_states ``[B, T, hidden]`` -> ``(output [B, T, hidden], None)``; updates the cache if one is given.
 
         ``attention_mask`` (2-D or 4-D, as transformers passes it) only marks padding: a padded position is made an
         identity step of the recurrence (k = v = 0, beta = 0, g = 0) and outputs zeros. A decode token (T = 1, with
         states in the cache) updates the cache's conv and recurrent states in place.
         """
-        cache = cache if cache is not None else past_key_values
+        cache = next((given for given in (cache, past_key_values, layer_past) if given is not None), None)
         x = hidden_states
         B, T, _ = x.shape
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -138,7 +145,7 @@ class DeltaRuleAttention(nn.Module):
         keep = None if decode else padding_mask(attention_mask, B, T, x.device)
         in_place = decode and conv_state is not None  # the cache's states advance in place: nothing allocated
 
-        qkv = _joined_columns([self.q_proj(x), self.k_proj(x), self.v_proj(x)])
+        qkv = _joined_columns(self._normed(self.q_proj(x), self.k_proj(x)) + [self.v_proj(x)])
         if keep is not None:
             qkv = qkv * keep[..., None].to(qkv.dtype)
         if in_place:
@@ -169,6 +176,18 @@ class DeltaRuleAttention(nn.Module):
                 store_states(cache, self.layer_idx, conv_state, recurrent_state)
         o = self.o_norm(o, self.output_gate(x))
         return self.o_proj(o.reshape(B, T, hq * d)), None
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+        """q ``[B, T, H_q * head_dim]``, k ``[B, T, H_kv * head_dim]`` through the dense attention's q/k norm, if it
+        had one (per head, or over the whole projection); unchanged otherwise."""
+        norm = self.shape.qk_norm
+        if norm is None:
+            return [q, k]
+        if norm == "projection":
+            return [self.q_norm(q), self.k_norm(k)]
+        B, T, _ = q.shape
+        return [self.q_norm(q.view(B, T, -1, self.head_dim)).view(B, T, -1),
+                self.k_norm(k.view(B, T, -1, self.head_dim)).view(B, T, -1)]
 
     def _decode_after_conv(self, x: torch.Tensor, qkv: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
         """A decode token after its conv: x ``[B, 1, hidden]``, qkv ``[B, 1, (H_q + 2 H_kv) head_dim]`` ->

@@ -85,12 +85,41 @@ class GatedRMSNorm(nn.Module):
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply the dense model's rotary embedding to q ``[B, T, Hq, D]`` and k ``[B, T, Hk, D]``."""
+    """Apply the dense model's rotary embedding to q ``[B, T, Hq, D]`` and k ``[B, T, Hk, D]``: halves rotated
+    against each other (Llama's convention) over the first ``R`` channels of each head, ``R`` the width of the
+    model's ``cos, sin [B, T, R]`` (partial rotary leaves the rest as they are)."""
     cos, sin = position_embeddings
     cos, sin = cos[:, :, None, :].to(q.dtype), sin[:, :, None, :].to(q.dtype)
+    width = cos.shape[-1]
 
     def half(x):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    return q * cos + half(q) * sin, k * cos + half(k) * sin
+    def rotated(x):
+        turned = x[..., :width] * cos + half(x[..., :width]) * sin
+        return turned if width == x.shape[-1] else torch.cat((turned, x[..., width:]), dim=-1)
+
+    return rotated(q), rotated(k)
+
+
+class ProjectionNorm(nn.Module):
+    """RMSNorm over the last dimension with a weight ``[dim]`` applied as ``w`` or ``1 + w`` (``unit_offset``, Gemma):
+    the dense attention's q/k norm, carried into a converted layer. Statistics in float32, as transformers' norms."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., dim]`` -> ``[...,  dim]`` in x's dtype."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float()
+        return (x * (1.0 + weight if self.unit_offset else weight)).to(dtype)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.unit_offset else 1.0)

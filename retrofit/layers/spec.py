@@ -55,17 +55,43 @@ class LinearAttentionSpec:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Head layout of the attention a layer replaces (taken from the dense model's config)."""
+    """Head layout of the softmax attention a layer replaces, as the family's architecture record gives it for a
+    config (:func:`AttentionShape.from_config`).
+
+    ``qkv_bias`` / ``o_bias``: whether q, k, v (and o) have biases. ``qk_norm``: the dense attention normalises q and
+    k after projecting them, RMSNorm over each head (``"head"``) or over the whole projection (``"projection"``),
+    with the weight applied as ``1 + w`` where ``qk_norm_unit_offset``; the converted layer keeps that norm (its
+    weights copied) before its convolution. ``rotary_dims``: the channels of each head the dense model rotates
+    (what ``use_rope`` rotates), ``rotary_interleaved``: rotation of adjacent pairs rather than halves."""
 
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None
+    qk_norm_eps: float = 1e-6
+    qk_norm_unit_offset: bool = False
+    rotary_dims: int | None = None
+    rotary_interleaved: bool = False
+
+    def __post_init__(self):
+        if self.qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'projection', got {self.qk_norm!r}")
 
     @classmethod
     def from_config(cls, config) -> "AttentionShape":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.hidden_size, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
-                   bool(getattr(config, "attention_bias", False)))
+        """The shape of ``config``'s attention, read from its family's architecture record."""
+        from retrofit import architecture
+
+        arch = architecture.of(config)
+        text = architecture.text_config(config)
+        qkv_bias, o_bias = arch.biases(text)
+        norm = arch.qk_norm_of(text)
+        full = [layer.rotary_dims for layer in arch.layers(text) if layer.rotary_dims]
+        return cls(text.hidden_size, arch.num_heads(text), arch.num_kv_heads(text), arch.head_dim(text),
+                   qkv_bias=bool(qkv_bias), o_bias=bool(o_bias), qk_norm=None if norm is None else norm.per,
+                   qk_norm_eps=float(norm.eps(text)) if norm is not None else 1e-6,
+                   qk_norm_unit_offset=bool(norm and norm.unit_offset), rotary_dims=max(full) if full else 0,
+                   rotary_interleaved=arch.rotary_interleaved)

@@ -2,8 +2,9 @@
 preallocated (static, for ``retrofit.generate``) or grown geometrically (``model.generate``), plus each method's
 metadata in ``layer.meta``.
 
-Layers that are not softmax attention (linear-attention, sliding-window) keep the layer types transformers'
-``DynamicCache(config=...)`` gives them; only the softmax layers become ``SparseLayer``.
+Layers that are not softmax attention with an unbounded cache (linear-attention, sliding-window) keep the layer types
+transformers' ``DynamicCache(config=...)`` gives them, or in a static cache the engine's
+(:func:`retrofit.static_cache.static_layers`); only the unbounded softmax layers become ``SparseLayer``.
 """
 from __future__ import annotations
 
@@ -273,9 +274,11 @@ class SparseCache(DynamicCache):
     """
 
     def __init__(self, config, method: "SparseMethod", sparse_layers: list[int], num_layers: int,
-                 capacity: int | None = None):
+                 capacity: int | None = None, base_layers: list | None = None):
         super().__init__(config=config)
-        if capacity is not None:  # transformers' static layers (and linear-attention layers) for the rest
+        if base_layers is not None:  # a static cache: the engine's layers (static, ring, linear) for the rest
+            self.layers = list(base_layers)
+        elif capacity is not None:
             self.layers = list(StaticCache(config=config, max_cache_len=capacity).layers)
         if len(self.layers) < num_layers or self.layer_class_to_replicate is not None:
             self.layers = [DynamicLayer() for _ in range(num_layers)]

@@ -24,12 +24,14 @@ from transformers.cache_utils import DynamicCache
 from retrofit.errors import RetrofitError
 from retrofit.kernels import use_backend
 from retrofit.kernels.sparse_decode import sparse_decode_attention
+from retrofit.model_info import attention_layout
 from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
                                                  softmax_attention_layers)
 from retrofit.sparse.cache import SparseCache, SparseLayer
 from retrofit.sparse.contract import SparseMethod
 from retrofit.sparse.methods.common import all_blocks
 from retrofit.sparse.registry import build_method
+from retrofit.static_cache import static_layers
 
 # sparse_decoding(kernel=...) -> the kernels' backend for the session's per-step ops
 KERNELS = {"auto": "auto", "triton": "triton", "reference": "torch"}
@@ -56,11 +58,14 @@ class SparseSession:
         self.config = text_config
         self.num_layers = text_config.num_hidden_layers
         self.original_implementation = implementation_of(model)
+        self.layout = attention_layout(model)
 
     def new_cache(self, capacity: int | None = None) -> SparseCache:
         """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``); with ``capacity`` a
-        static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses)."""
-        return SparseCache(self.config, self.method, list(self.layers), self.num_layers, capacity)
+        static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses; the layers
+        the method leaves are the engine's own, :func:`retrofit.static_cache.static_layers`)."""
+        base = static_layers(self.model, capacity) if capacity is not None else None
+        return SparseCache(self.config, self.method, list(self.layers), self.num_layers, capacity, base)
 
     def maintain(self, cache: SparseCache, written: int) -> None:
         """Between two decode steps of a static cache (outside any captured step): the method's scheduled upkeep,
@@ -115,7 +120,8 @@ class SparseSession:
         else:
             layer.sparse_steps += 1
         return sparse_decode_attention(q, layer.keys, layer.values, selection.indices, selection.counts,
-                                       layer.kv_start, layer.kv_end, block_size=selection.block_size, scale=scaling)
+                                       layer.kv_start, layer.kv_end, block_size=selection.block_size, scale=scaling,
+                                       softcap=self.layout.layers[layer.layer_idx].softcap)
 
     def _layer_for(self, module, key) -> SparseLayer | None:
         cache = self.cache
@@ -172,7 +178,8 @@ def sparse_decoding(
     sparse_method = build_method(method, budget, **params)
     attention = softmax_attention_layers(model)
     if not attention:
-        raise RetrofitError(f"{type(model).__name__} has no standard softmax-attention layer to apply {method!r} to")
+        raise RetrofitError(f"{type(model).__name__} has no softmax-attention layer whose cache grows with the context "
+                            f"to apply {method!r} to (its sliding-window layers are bounded already)")
     if layers is not None:
         if isinstance(layers, str):  # from the CLI: "0,1,2"
             try:

@@ -68,8 +68,9 @@ class Quest(SparseMethod):
 
     def bind(self, config) -> None:
         if self.page_size is None:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            self.page_size = default_page_size(head_dim)
+            from retrofit import architecture
+
+            self.page_size = default_page_size(architecture.of(config).head_dim(config))
             self._check_page_size()
 
     def keeps_dense(self, layer) -> bool:

@@ -122,13 +122,14 @@ class SeerAttention(SparseMethod):
 
     def bind(self, config) -> None:
         if self.random_gates:
-            heads = config.num_attention_heads
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            from retrofit import architecture
+
+            arch = architecture.of(config)
             layers = list(range(config.num_hidden_layers))
             with torch.random.fork_rng(devices=[]):  # untrained but reproducible, and the caller's RNG untouched
                 torch.manual_seed(0)
-                self._gates = SeerGates(layers, heads, getattr(config, "num_key_value_heads", None) or heads,
-                                        head_dim, hidden=128, block_size=RANDOM_GATE_BLOCK)
+                self._gates = SeerGates(layers, arch.num_heads(config), arch.num_kv_heads(config),
+                                        arch.head_dim(config), hidden=128, block_size=RANDOM_GATE_BLOCK)
             self._gates.eval().requires_grad_(False)
 
     @property

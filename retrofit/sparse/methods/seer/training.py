@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from retrofit import architecture
 from retrofit.atomic import torch_load, torch_save
 from retrofit.errors import RetrofitError
 from retrofit.textfiles import read_text
@@ -191,11 +192,12 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     layers = list(softmax_attention_layers(model))
     if not layers:
         raise RetrofitError(f"{type(model).__name__} has no softmax-attention layer to train gates for")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    arch = architecture.of(config)
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     random.seed(seed)
-    gates = SeerGates(layers, config.num_attention_heads, config.num_key_value_heads, head_dim, hidden, block_size)
+    gates = SeerGates(layers, arch.num_heads(config), arch.num_kv_heads(config), arch.head_dim(config), hidden,
+                      block_size)
     gates.to(device)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=lr)
     start = 0
