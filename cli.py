@@ -9,7 +9,8 @@ import click
 from retrofit.cliargs import refuse_without
 from retrofit.errors import RetrofitError
 
-MODEL_HELP = "A local model directory, a .gguf file, a hub id (org/name), or the alias smollm2-135m."
+MODEL_HELP = ("A local model directory, a .gguf file, a hub id (org/name), or an alias: smollm2-135m, qwen2.5-0.5b or "
+              "gemma3-270m (fetched once; `retrofit inspect ALIAS` names its licence).")
 
 
 class RetrofitGroup(click.Group):
@@ -56,10 +57,10 @@ def model_options(command):
 @model_options
 def inspect(model: str, device: str, dtype: str) -> None:
     from retrofit.inspect import describe
-    from retrofit.load import load
+    from retrofit.load import ALIASES, load
 
     loaded, _ = load(model, dtype=dtype, device=device)
-    click.echo(describe(loaded, name=model))
+    click.echo(describe(loaded, name=model, licence=ALIASES[model].licence if model in ALIASES else None))
 
 
 @main.command(help="Generate from MODEL with retrofit's decode engine (static cache; on CUDA the decode step is "
@@ -116,6 +117,8 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
     if sparse_method:
         build_method(sparse_method, budget, **{k: v for k, v in params.items() if k not in ("layers", "kernel")})
     loaded, tokenizer = load(model, dtype=dtype, device=device)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise RetrofitError(f"{model} has no chat template: drop --chat and give a prompt to continue")
     patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
     started = time.perf_counter()
     with patch:

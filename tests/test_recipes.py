@@ -3,7 +3,9 @@
 A recipe is read by ``retrofit convert`` only once the model is loaded and the calibration text tokenized; a typo in a
 key, a stage-2 share that does not sum to one, a window past the model's positions or a layer spec that converts
 every layer would surface minutes into a run on the GPU. Here each recipe goes through the same parsers the pipeline
-uses, against the real SmolLM2-135M's configuration (30 layers, 8,192 positions).
+uses, against the configuration of the real model the recipe names: SmolLM2-135M (30 layers, 8,192 positions) or
+Qwen2.5-Coder-0.5B-Instruct (24 layers, 32,768 positions; its config.json alone, read from the alias's cached
+checkpoint, no weights loaded).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from retrofit.convert.recipe import load_recipe
 from retrofit.convert.plan import DistillConfig, Plan
 from retrofit.convert.select_settings import SelectSettings
-from retrofit.convert.selection import parse_layer_spec
+from retrofit.convert.selection import layer_count, parse_layer_spec
 from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -23,26 +25,53 @@ RECIPES = sorted(RECIPES_DIR.glob("*/*.yaml"))
 
 
 def test_the_recipes_are_found():
-    assert len(RECIPES) >= 19, RECIPES  # the 19 of 2026-12-05: a moved folder must not turn this file into no tests
+    # the 19 of 2026-12-05 and the 5 Qwen recipes of 2026-12-06: a moved folder must not turn this file into no tests
+    assert sum(path.parent.name == "smollm2-135m" for path in RECIPES) >= 19, RECIPES
+    assert sum(path.parent.name == "qwen2.5-0.5b" for path in RECIPES) >= 5, RECIPES
 
 
 @pytest.fixture(scope="module")
-def smollm2_config(smollm2):
-    """The reference model's own configuration (the session's real checkpoint, not loaded a second time)."""
-    return smollm2[0].config
+def model_config(request):
+    """``model_config(alias)``: the real configuration of the model a recipe names. SmolLM2's is the session's
+    loaded checkpoint's (not loaded a second time); Qwen's is read from its cached checkpoint's config.json."""
+    from transformers import AutoConfig
+
+    from retrofit.load import reference_checkpoint
+
+    configs = {}
+
+    def config_of(alias: str):
+        if alias not in configs:
+            if alias == "smollm2-135m":
+                configs[alias] = request.getfixturevalue("smollm2")[0].config
+            else:
+                configs[alias] = AutoConfig.from_pretrained(reference_checkpoint(alias))
+        return configs[alias]
+
+    return config_of
+
+
+def test_qwen_config_is_the_one_the_recipes_are_written_for(model_config):
+    config = model_config("qwen2.5-0.5b")
+    assert (config.model_type, config.num_hidden_layers, config.max_position_embeddings) == ("qwen2", 24, 32768)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_recipe_is_accepted_by_the_conversion(path: Path, smollm2_config):
+def test_recipe_is_accepted_by_the_conversion(path: Path, model_config):
     recipe = load_recipe(path)  # unknown keys, bad YAML, an empty file: RetrofitError
-    assert recipe["model"] == path.parent.name == "smollm2-135m"
+    assert recipe["model"] == path.parent.name
     assert recipe["to"] in LAYER_TYPES
+    config_of_model = model_config(recipe["model"])
     config = DistillConfig(**{key: value for key, value in recipe.items() if key in DistillConfig.field_names()})
     SelectSettings.from_mapping(recipe.get("select"))
     LinearAttentionSpec.from_dict(recipe.get("layer_spec") or {})
-    layers = parse_layer_spec(str(recipe.get("layers") or "every:4"), smollm2_config.num_hidden_layers)
-    assert layers.needs_scoring or 0 < len(layers.indices) < smollm2_config.num_hidden_layers
-    assert config.longest_window <= smollm2_config.max_position_embeddings
+    layers = parse_layer_spec(str(recipe.get("layers") or "every:4"), config_of_model.num_hidden_layers)
+    assert layers.needs_scoring or 0 < len(layers.indices) < config_of_model.num_hidden_layers
+    converted = layer_count(layers.fraction, config_of_model.num_hidden_layers) if layers.needs_scoring \
+        else len(layers.indices)
+    named = re.search(r"(\d+)of(\d+)", path.stem)  # kda-12of24: the name says how many of how many layers
+    assert named is None or (converted, config_of_model.num_hidden_layers) == tuple(map(int, named.groups()))
+    assert config.longest_window <= config_of_model.max_position_embeddings
     config.stage2_curriculum()  # shares > 0 summing to 1, lengths >= 2: ValueError otherwise
     plan = Plan.from_config(config)
     # Whole steps round the budget up: never under it, and over it by less than one step of each phase and stage 1.

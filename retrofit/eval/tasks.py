@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from retrofit.errors import RetrofitError
-from retrofit.eval import fidelity, lambada, multiple_choice, perplexity, synthetic
+from retrofit.eval import cpu_time, fidelity, lambada, multiple_choice, perplexity, synthetic
 from retrofit.eval.generation import greedy_generate
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.outcome import MeanMetric, TaskOutcome
@@ -167,6 +167,7 @@ def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
             if length > limit:
                 raise RetrofitError(f"--context-length {length} is over the model's limit of {limit} positions "
                                     "(max_position_embeddings)")
+            cpu_time.refuse_hours_on_cpu(model, f"{task} at {length:,} tokens", length, num_items * len(settings.seeds))
             state["items"] = synthetic.generate_items(task, tokenizer, length, settings.seeds, num_items, haystack)
 
         def run(model, tokenizer, batch_size: int, throughput: Throughput, length=length, state=state):
