@@ -175,7 +175,7 @@ def test_activation_estimates_match_what_autograd_keeps(smollm2, layer_inputs):
     hidden = record["hidden_states"].detach().requires_grad_(True)
     kept = _kept_bytes(lambda: hybrid.model.layers[14](hidden, **record["kwargs"]), owned) / tokens
     estimate = softmax_layer_bytes(dims, precision, lora_attention=True, lora_mlp=True)
-    # seen: 43,532 kept against 42,276 estimated (-3%); a missed MLP tensor would be -14%, a double count +14%
+    # seen: 40,716 kept against 42,276 estimated (+3.8%); a missed or doubled MLP tensor moves it by 15%
     assert abs(kept - estimate) <= 0.06 * kept, (kept, estimate)
 
     record = layer_inputs[13]
