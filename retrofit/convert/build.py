@@ -4,11 +4,16 @@ from __future__ import annotations
 from retrofit.hybrid import HybridSection, hybrid_config, model_class
 
 
-def to_hybrid(dense_model, section: HybridSection, share_weights: bool = True):
+def to_hybrid(dense_model, section: HybridSection, share_weights: bool = True, layer_dtype=None):
     """A hybrid model whose converted layers are initialised from the dense attention weights
     (:func:`retrofit.convert.init.init_from_attention`) and whose other weights are the dense model's: shared
     (no copy) when ``share_weights``, else cloned (needed when the hybrid's weights will be changed in place, e.g.
     by merging LoRA, while the dense model is still in use). The dense model is left untouched.
+
+    Shared weights are the dense model's tensors (the same storage) under the hybrid's own ``Parameter`` objects and
+    modules, so the hybrid's ``requires_grad`` flags and module replacements (peft) never reach the dense model.
+    ``layer_dtype``: dtype of the converted layers (default: the dense model's), e.g. float32 layers to train beside
+    frozen bfloat16 weights.
     """
     import torch
 
@@ -29,7 +34,7 @@ def to_hybrid(dense_model, section: HybridSection, share_weights: bool = True):
     if unexpected:
         raise RuntimeError(f"unexpected weights when building the hybrid: {unexpected[:5]}")
     for i in section.layers:
-        layer = arch.attention_module(hybrid, i).to_empty(device=param.device).to(param.dtype)
+        layer = arch.attention_module(hybrid, i).to_empty(device=param.device).to(layer_dtype or param.dtype)
         arch.replace_attention(hybrid, i, layer)
         layer.reset_parameters()
         init_from_attention(layer, arch.attention_module(dense_model, i), arch, architecture.text_config(dense_model))

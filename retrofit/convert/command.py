@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from retrofit.convert.select_settings import SelectSettings
+from retrofit.errors import RetrofitError
 
 CONVERT_EXAMPLES = """
 \b
@@ -13,7 +14,17 @@ Examples:
   retrofit convert smollm2-135m --recipe recipes/smollm2-135m/gdn-8of30.yaml --data calib/ --out hyb/ --resume
   torchrun --nproc-per-node 2 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O
   torchrun --nproc-per-node 8 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O --parallel fsdp
+  retrofit convert llama3-8b --to gdn --layers not:every:4 --seq-len 8192 --batch-size 1 --frozen-dtype bfloat16 \
+      --checkpoint-activations-from auto --device cuda --device-memory 80GiB --dry-run
 """
+
+
+def _required_unless_dry_run(ctx: click.Context, param: click.Parameter, value):
+    """``--out`` is required unless ``--dry-run`` is given. Click processes the options given on the command line
+    before the others, so a given ``--dry-run`` is known here; one not given is not, and then ``--out`` is needed."""
+    if value is None and not ctx.params.get("dry_run"):
+        raise click.MissingParameter(ctx=ctx, param=param)
+    return value
 
 
 @click.command("convert", epilog=CONVERT_EXAMPLES)
@@ -23,7 +34,8 @@ Examples:
               help="Which layers: 0,2,4 | 3-6 | every:K[:OFFSET] (layers K-1, 2K-1, ...) | fraction:F (scored).")
 @click.option("--data", multiple=True, help="Calibration text file or folder (repeatable).")
 @click.option("--tokens", type=int, default=None, help="Calibration token budget (both stages together).")
-@click.option("--out", required=True, type=click.Path(), help="Output directory of the hybrid checkpoint.")
+@click.option("--out", type=click.Path(), callback=lambda ctx, param, value: _required_unless_dry_run(ctx, param, value),
+              help="Output directory of the hybrid checkpoint (required unless --dry-run).")
 @click.option("--recipe", default=None, help="YAML recipe (file, or shipped name like smollm2-135m/cpu-small).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per training window.")
 @click.option("--batch-size", type=int, default=None, help="Windows per micro-batch per GPU/process.")
@@ -32,9 +44,12 @@ Examples:
 @click.option("--stage2-lengths", default=None, metavar="LEN:SHARE,...",
               help="Stage 2's curriculum of window lengths and token shares, e.g. 1024:0.5,4096:0.3,8192:0.2 "
                    "(default: all on --seq-len windows).")
-@click.option("--checkpoint-activations-from", type=int, default=None, metavar="TOKENS",
+@click.option("--checkpoint-activations-from", default=None, metavar="TOKENS|auto",
               help="Recompute the student's layer activations in the backward pass for windows of at least this many "
-                   "tokens (0 = never).")
+                   "tokens (0 = never; auto = from the first window whose plan would not fit the device otherwise).")
+@click.option("--frozen-dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="dtype of the dense weights, held once for teacher and student (bfloat16 needs bf16 autocast: on "
+                   "CUDA by default). What trains stays float32.")
 @click.option("--lr-stage1", type=float, default=None, help="Learning rate of the new layers in stage 1.")
 @click.option("--lr-stage2", type=float, default=None, help="Learning rate of the new layers in stage 2.")
 @click.option("--lr-lora", type=float, default=None, help="Learning rate of LoRA in stage 2.")
@@ -48,6 +63,14 @@ Examples:
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
               help="Engine under torchrun: ddp (default) or fsdp (FSDP2: trained parameters, gradients and optimizer "
                    "state sharded across processes).")
+@click.option("--dry-run", is_flag=True,
+              help="Print the memory plan (frozen weights, trained parameters, optimizer state, activations per "
+                   "micro-batch at each window length) and whether it fits the device, and stop: no weight is loaded. "
+                   "MODEL may also name a configuration (llama3-8b, qwen2.5-7b, smollm2-135m); --device need not be "
+                   "present; the processes are WORLD_SIZE's. A plan that cannot fit ends in one line, exit code 2.")
+@click.option("--device-memory", default=None, metavar="SIZE",
+              help="Memory of the device to plan for, e.g. 80GiB or 80GB (default: the device's). A run whose plan "
+                   "does not fit it is refused before the model loads.")
 @click.option("--resume", is_flag=True, help="Continue from the last training checkpoint of this --out.")
 @click.option("--max-minutes", type=float, default=None,
               help="Checkpoint and stop after this many minutes (exit code 3); rerun with --resume to continue.")
@@ -56,25 +79,34 @@ Examples:
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch_size, grad_accum, stage1_fraction,
                     stage2_lengths, checkpoint_activations_from, lr_stage1, lr_stage2, lr_lora, lora_rank, ce_weight,
-                    copy_share, checkpoint_every, seed, parallel, resume, max_minutes, overwrite, device, quiet):
+                    frozen_dtype, copy_share, checkpoint_every, seed, parallel, dry_run, device_memory, resume,
+                    max_minutes, overwrite, device, quiet):
     """Convert attention layers of MODEL to Gated DeltaNet / KDA, distil, and save a hybrid checkpoint."""
     import time
 
     from retrofit.convert.distill import TrainingPaused
     from retrofit.convert.parts import PartsSoFar, parts_so_far, process_peak_memory, record_parts
     from retrofit.devices import is_first_process
-    from retrofit.convert.pipeline import convert
+    from retrofit.convert.pipeline import convert, plan
 
+    options = dict(seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, stage1_fraction=stage1_fraction,
+                   stage2_lengths=stage2_lengths, checkpoint_activations_from=checkpoint_activations_from,
+                   lr_stage1=lr_stage1, lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank,
+                   ce_weight=ce_weight, frozen_dtype=frozen_dtype, copy_share=copy_share,
+                   checkpoint_every=checkpoint_every, seed=seed, parallel=parallel)
+    if dry_run:
+        memory_plan = plan(model, to=to, layers=layers, tokens=tokens, recipe=recipe, device=device,
+                           device_memory=device_memory, **options)
+        if memory_plan.refusal():
+            raise RetrofitError(memory_plan.refusal())
+        click.echo(memory_plan.table())
+        return
     start = time.time()
     earlier = parts_so_far(out) if resume and out else PartsSoFar()
     try:
         path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
-                       max_minutes=max_minutes, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                       stage1_fraction=stage1_fraction, stage2_lengths=stage2_lengths,
-                       checkpoint_activations_from=checkpoint_activations_from, lr_stage1=lr_stage1,
-                       lr_stage2=lr_stage2, lr_lora=lr_lora, lora_rank=lora_rank, ce_weight=ce_weight,
-                       copy_share=copy_share, checkpoint_every=checkpoint_every, seed=seed, parallel=parallel)
+                       max_minutes=max_minutes, device_memory=device_memory, **options)
     except TrainingPaused as paused:
         if is_first_process():
             record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
@@ -135,7 +167,6 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     from retrofit.convert.data import token_windows
     from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
     from retrofit.devices import parse_device
-    from retrofit.errors import RetrofitError
     from retrofit.layers import LAYER_TYPES
     from retrofit.load import load
     from retrofit.model_info import attention_layout
@@ -171,8 +202,6 @@ _standalone.add_command(convert_command)
 _standalone.add_command(select_command)
 
 if __name__ == "__main__":
-    from retrofit.errors import RetrofitError
-
     try:
         _standalone(standalone_mode=True)
     except RetrofitError as err:

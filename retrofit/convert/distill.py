@@ -2,30 +2,38 @@
 
 Stage 1 (layer-wise): one teacher pass per batch records the inputs and outputs of every selected attention layer;
 each converted layer is trained to reproduce its attention's output on the same inputs (relative MSE), all layers at
-once. Stage 2 (end to end): the hybrid is trained against the dense model's logits (KL, optional CE) with LoRA on the
-remaining attention and MLP projections from the first converted layer on (peft) and the new layers trained
-fully; LoRA is merged at the end.
+once (one process backpropagates them one layer at a time: the same gradients, one layer's activations). Stage 2
+(end to end): the hybrid is trained against the dense model's logits (KL, optional CE) with LoRA on the remaining
+attention and MLP projections from the first converted layer on (peft) and the new layers trained fully; LoRA is
+merged at the end.
 
 Runs unchanged under ``torchrun`` (one process per GPU; batches sharded by rank; rank 0 saves), with DDP
 (``parallel: ddp``, the default) or FSDP2 (``parallel: fsdp``: ``torch.distributed.fsdp.fully_shard``). Checkpoints
 every ``checkpoint_every`` steps; a resumed run ends with the same weights as an uninterrupted one.
 
+The student may hold the teacher's frozen weights themselves (``to_hybrid(..., share_weights=True)``, what the
+pipeline builds): nothing here writes into a frozen tensor. LoRA wraps the student's own modules (the teacher's stay
+as they are, so the teacher computes the dense function), and the final merge writes into a float32 copy of each
+adapted weight, never into the weight the teacher (or the caller's model) holds. Stage 2's loss is computed from the
+final hidden states chunk by chunk (:func:`retrofit.convert.objectives.distillation_loss`): no ``[tokens, vocab]``
+logits of either model exist at once.
+
 FSDP trains a copy of the trained modules whose trainable parameters (new layers, LoRA) are sharded across ranks with
-their gradients and AdamW state; frozen weights are shared with the hybrid and stay replicated, like the dense
-teacher. Checkpoints hold full (unsharded) tensors in the layout of a one-process run, and at the end of each stage
-the full trained values are written back into the hybrid's own (plain) parameters, so LoRA merging and saving see
-ordinary tensors.
+their gradients and AdamW state; frozen weights are shared with the hybrid, and so with the dense teacher: held once
+per process, not sharded (the teacher runs them whole). Checkpoints hold full (unsharded) tensors in the layout of a
+one-process run, and at the end of each stage the full trained values are written back into the hybrid's own (plain)
+parameters, so LoRA merging and saving see ordinary tensors.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from retrofit import architecture
 from retrofit.convert.checkpoint import (
@@ -40,9 +48,11 @@ from retrofit.convert.checkpoint import (
 )
 from retrofit.convert.copies import copy_generator, with_copied_spans
 from retrofit.convert.data import BatchSampler
-from retrofit.convert.objectives import (AttentionCapture, DecoderInputCapture, LayerAligner, StudentTail, kl_loss,
-                                         lora_target_names, warmup_cosine)
+from retrofit.convert.objectives import (AttentionCapture, DecoderInputCapture, LayerAligner, StudentTail,
+                                         distillation_loss, lora_target_names, next_token_targets, output_logits,
+                                         warmup_cosine)
 from retrofit.convert.plan import PARALLEL_MODES, DistillConfig, Plan  # noqa: F401  (re-exported: the settings' old home)
+from retrofit.devices import parse_dtype
 
 LOSS_READS_EVERY = 16  # optimizer steps between reads of the step losses on the host
 
@@ -63,6 +73,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _backward(loss: torch.Tensor, accumulation: int) -> torch.Tensor:
+    """Backpropagate ``loss / accumulation`` (one micro-batch of a step of ``accumulation``) and return it detached."""
+    loss = loss / accumulation
+    loss.backward()
+    return loss.detach()
+
+
 class TrainingPaused(Exception):
     """Raised when a run reaches its time budget: a checkpoint was written; rerun with ``--resume`` to continue."""
 
@@ -74,7 +91,7 @@ class TrainingPaused(Exception):
 class Distiller:
     """Runs stage 1 and stage 2 on a hybrid built from ``dense`` and returns the trained hybrid (LoRA merged).
 
-    ``dense`` and ``hybrid`` must not share parameter storage (LoRA merging writes into the hybrid's weights).
+    ``hybrid`` may share its frozen weights' storage with ``dense`` (neither is written: see the module docstring).
     ``windows``: ``[N, seq_len]`` calibration token windows, or a dict window length -> ``[N_len, len]`` windows
     holding every length of stage 2's curriculum (``config.stage2_lengths``). ``work_dir``: where training checkpoints go.
     ``on_step(stage, step)`` is called after every optimizer step (progress reporting; tests use it to interrupt).
@@ -87,6 +104,9 @@ class Distiller:
         self.dense, self.hybrid, self.layers, self.config = dense, hybrid, sorted(layers), config
         self.work_dir, self.device, self.on_step = Path(work_dir), device, on_step
         self.deadline = deadline  # time.time() after which the run checkpoints and raises TrainingPaused
+        if config.checkpoint_activations_from == "auto":
+            raise ValueError("checkpoint_activations_from auto is decided by the memory plan before training "
+                             "(retrofit.convert.pipeline); give the Distiller a window length")
         self.rank, self.world_size = distributed()
         self.show_progress = show_progress and self.rank == 0
         self.plan = Plan.from_config(config, self.world_size)
@@ -98,6 +118,7 @@ class Distiller:
                 raise ValueError(f"no calibration windows of {phase.seq_len} tokens for stage 2's curriculum")
         self.saved = load_train_state(self.work_dir, fingerprint) if resume else None
         self.bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
+        self.frozen_dtype = parse_dtype(config.frozen_dtype)
         self.history: dict[str, list[float]] = {"stage1": [], "stage2": []}
 
     # ----- shared plumbing -----
@@ -185,7 +206,12 @@ class Distiller:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=False)
+        # Only what trains is DDP's: the frozen weights and the buffers are the teacher's (equal on every rank, from
+        # the same checkpoint), and DDP's broadcasts would write into them.
+        untouched = [name for name, p in module.named_parameters() if not p.requires_grad]
+        untouched += [name for name, _ in module.named_buffers()]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, untouched)
+        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=False, broadcast_buffers=False)
 
     def _optimizer(self, groups: list[dict], steps: int):
         # On CUDA one fused kernel updates every tensor: the per-tensor loop launched about ten kernels for each of
@@ -242,9 +268,11 @@ class Distiller:
         return batch.pin_memory().to(self.device, non_blocking=True)
 
     def _loop(self, stage: int, steps: int, start: int, step_fn, params, opt, sched, module) -> None:
-        """Optimizer steps ``start..steps-1`` of ``stage``. Step losses stay on the device and are read on the host
-        every :data:`LOSS_READS_EVERY` steps (and when the stage ends or pauses): each read waits for the device,
-        and a read per micro-batch kept the host from queueing the next step's kernels while the device ran."""
+        """Optimizer steps ``start..steps-1`` of ``stage``; ``step_fn(batch, accumulation)`` runs the forward and
+        backward pass of one micro-batch, its loss divided by ``accumulation``, and returns that (detached) loss.
+        Step losses stay on the device and are read on the host every :data:`LOSS_READS_EVERY` steps (and when the
+        stage ends or pauses): each read waits for the device, and a read per micro-batch kept the host from
+        queueing the next step's kernels while the device ran."""
         if steps == 0 or start >= steps:
             return
         bar = None
@@ -269,9 +297,8 @@ class Distiller:
             total = None
             for micro in range(self.config.grad_accum):
                 batch = self._to_device(self._batch(stage, step, micro))
-                loss = step_fn(batch) / self.config.grad_accum
-                loss.backward()
-                total = loss.detach() if total is None else total + loss.detach()
+                loss = step_fn(batch, self.config.grad_accum)
+                total = loss if total is None else total + loss
             if self.config.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
             opt.step()
@@ -302,7 +329,7 @@ class Distiller:
 
     # ----- stages -----
     def run(self) -> nn.Module:
-        """Both stages -> the hybrid (LoRA merged, eval mode)."""
+        """Both stages -> the hybrid (LoRA merged, eval mode, in ``config.frozen_dtype``)."""
         self.dense.eval().requires_grad_(False)
         if self.saved is None:
             from retrofit.convert.init import match_output_scale
@@ -315,7 +342,7 @@ class Distiller:
         if not skip_stage1:
             self.stage1()
         model = self.stage2()
-        return model.eval()
+        return model.to(self.frozen_dtype).eval()  # trained in float32; saved in the dtype of the frozen weights
 
     def converted_layers(self) -> dict[int, nn.Module]:
         arch = architecture.of(self.hybrid)
@@ -331,10 +358,14 @@ class Distiller:
             make_root=lambda m: m, units=lambda m: list(m.converted.values()))
         capture = AttentionCapture(self.dense, self.layers)
 
-        def step_fn(batch):
+        def step_fn(batch, accumulation):
             with self._autocast():
                 records = capture.run(self.dense, batch)
-                return wrapped(records)
+            if self.world_size == 1:  # one layer's autograd graph at a time; DDP and FSDP run the aligner whole
+                return aligner.backward_layer_by_layer(records, accumulation, self._autocast)
+            with self._autocast():
+                loss = wrapped(records)
+            return _backward(loss, accumulation)
 
         try:
             self._loop(1, self.plan.stage1_steps, start, step_fn, params, opt, sched, module)
@@ -371,28 +402,47 @@ class Distiller:
 
         wrapped, module, params, opt, sched, start, finish = self._prepare(
             2, model, param_groups, self.plan.stage2_steps,
-            make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from),
+            make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from, logits=False),
             units=lambda m: list(architecture.of(base(m)).blocks(base(m))[first:]))
+        student_model = getattr(wrapped, "module", wrapped).model  # the hybrid that the root runs (DDP wraps it)
+        student_head = functools.partial(output_logits, student_model)
+        teacher_head = functools.partial(output_logits, self.dense)
         capture = DecoderInputCapture(self.dense, first)
 
-        def step_fn(batch):
+        def step_fn(batch, accumulation):
             with self._autocast():
                 with torch.no_grad():
-                    teacher = self.dense(input_ids=batch, use_cache=False).logits
+                    teacher = self.dense.base_model(input_ids=batch, use_cache=False).last_hidden_state
                 record = capture.record
                 student = wrapped(record["hidden_states"], record["kwargs"])
-                loss = kl_loss(student, teacher, self.config.temperature)
-                if self.config.ce_weight > 0:
-                    loss = loss + self.config.ce_weight * F.cross_entropy(
-                        student[:, :-1].float().flatten(0, 1), batch[:, 1:].flatten())
-            return loss
+                targets = next_token_targets(batch) if self.config.ce_weight > 0 else None
+                loss = distillation_loss(student, teacher, student_head, teacher_head, self.config.temperature,
+                                         targets, self.config.ce_weight)
+            return _backward(loss, accumulation)
 
         try:
             self._loop(2, self.plan.stage2_steps, start, step_fn, params, opt, sched, module)
         finally:
             capture.remove()
         finish()
+        del wrapped, module, params, opt, sched, student_model, student_head  # AdamW state freed before the merge
         if use_lora:
-            model = model.merge_and_unload()
+            model = merge_lora(model, self.frozen_dtype)
         model.requires_grad_(False)
         return model
+
+
+def merge_lora(peft_model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The base model of ``peft_model`` with every LoRA adapter merged, one adapted layer at a time: its weight is
+    replaced by an own float32 copy, the adapter's update is added there, and the sum is stored in ``dtype`` (rounded
+    once). The weights the model held before (possibly the teacher's, or a caller's model's) are never written, and
+    one layer's float32 copy exists at a time."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            layer = module.get_base_layer()
+            layer.weight = nn.Parameter(layer.weight.detach().to(torch.float32, copy=True), requires_grad=False)
+            module.merge()
+            layer.weight = nn.Parameter(layer.weight.detach().to(dtype), requires_grad=False)
+    return peft_model.unload()  # the adapters removed; the merged weights stay

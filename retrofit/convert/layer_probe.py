@@ -50,7 +50,7 @@ def align_every_layer(dense, windows: torch.Tensor, layer_type: str, steps: int,
     bar = _progress_bar(steps, show_progress, "scoring: align every layer", "step")
     try:
         for step in range(steps):
-            loss = aligner.backward_layer_by_layer(capture.run(dense, sampler.batch(step).to(device)))
+            loss = float(aligner.backward_layer_by_layer(capture.run(dense, sampler.batch(step).to(device))))
             torch.nn.utils.clip_grad_norm_(aligner.parameters(), 1.0)
             opt.step()
             sched.step()

@@ -89,23 +89,125 @@ class LayerAligner(nn.Module):
         target = rec["target"].float()
         return F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(1e-12)
 
-    def backward_layer_by_layer(self, records: dict[int, dict]) -> float:
-        """The gradients of ``self(records).backward()``, computed one layer at a time (the records are detached, so
-        each layer's loss reaches only its own parameters): one layer's autograd graph alive at a time instead of
-        all of them. Returns the loss value (read once: each read on the host waits for the device)."""
+    def backward_layer_by_layer(self, records: dict[int, dict], accumulation: int = 1,
+                                autocast: Callable = contextlib.nullcontext) -> torch.Tensor:
+        """The gradients of ``(self(records) / accumulation).backward()`` (each layer's forward under ``autocast()``),
+        computed one layer at a time (the records are detached, so each layer's loss reaches only its own
+        parameters): one layer's autograd graph alive at a time instead of all of them, the same gradients. Returns
+        the loss divided by ``accumulation`` as a device scalar (not read on the host, which would wait for the
+        device)."""
         total = torch.zeros((), device=next(iter(records.values()))["target"].device)
         for key in self.converted:
-            loss = self.layer_loss(int(key), records) / len(self.converted)
+            with autocast():
+                loss = self.layer_loss(int(key), records) / len(self.converted)
+            loss = loss / accumulation
             loss.backward()
             total += loss.detach().float()
-        return float(total)
+        return total
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean per-token KL(teacher || student) of ``[B, T, V]`` logits at ``temperature`` (scaled by T^2)."""
+    """Mean per-token KL(teacher || student) of ``[B, T, V]`` logits at ``temperature`` (scaled by T^2).
+
+    The whole-vocabulary reference of :func:`distillation_loss`, which stage 2 runs (the same value, chunk by chunk).
+    """
     s = F.log_softmax(student_logits.float().flatten(0, 1) / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float().flatten(0, 1) / temperature, dim=-1)
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+LOGIT_CHUNK_BYTES = 1 << 26  # 64 MiB: one float32 [rows, vocab] tensor of distillation_loss's chunks (a chunk holds
+# about seven such tensors at once: both models' logits, log-softmaxes, the KL terms, the backward's)
+
+
+def logit_chunk_rows(vocab_size: int) -> int:
+    """Positions per chunk of :func:`distillation_loss`: a float32 ``[rows, vocab]`` tensor of at most
+    :data:`LOGIT_CHUNK_BYTES` (341 rows for SmolLM2's 49,152-token vocabulary, 130 for Llama-3's 128,256)."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
+
+
+def output_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """What the causal LM ``model`` makes of final hidden states ``[..., hidden]``: its LM head, then its family's
+    multiplier and final logit softcapping (the architecture record's :meth:`Architecture.logits`) -> logits
+    ``[..., vocab]``."""
+    return architecture.of(model).logits(model, hidden)
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    """Forward: the loss, and its gradient with respect to the student's final hidden states, one chunk of positions
+    at a time (each chunk's logits exist only while it is computed); backward: that gradient, scaled."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, teacher_hidden, targets, student_head, teacher_head, temperature, ce_weight,
+                rows):
+        total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
+        grad = torch.empty_like(student_hidden)
+        positions = student_hidden.shape[0]
+        scored = int((targets >= 0).sum()) if ce_weight > 0 else 0
+        for start in range(0, positions, rows):
+            end = min(positions, start + rows)
+            with torch.no_grad():
+                t = F.log_softmax(teacher_head(teacher_hidden[start:end]).float() / temperature, dim=-1)
+            with torch.enable_grad():
+                hidden = student_hidden[start:end].detach().requires_grad_(True)
+                logits = student_head(hidden).float()
+                s = F.log_softmax(logits / temperature, dim=-1)
+                loss = F.kl_div(s, t, log_target=True, reduction="sum") * (temperature ** 2 / positions)
+                if scored:
+                    loss = loss + F.cross_entropy(logits, targets[start:end], ignore_index=-100,
+                                                  reduction="sum") * (ce_weight / scored)
+                (grad[start:end],) = torch.autograd.grad(loss, hidden)
+            total += loss.detach()
+            del t, logits, s, loss
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None, None, None
+
+
+def distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: Callable,
+                      teacher_head: Callable, temperature: float = 1.0, targets: torch.Tensor | None = None,
+                      ce_weight: float = 0.0, rows: int | None = None) -> torch.Tensor:
+    """Stage 2's loss from final hidden states, without a whole ``[tokens, vocab]`` logit tensor of either model:
+    ``kl_loss(student_head(student_hidden), teacher_head(teacher_hidden), temperature)``, plus ``ce_weight`` times
+    the mean next-token cross-entropy of the student's logits (at temperature 1) where ``targets`` name a token.
+
+    Args:
+        student_hidden: ``[B, T, hidden]``, differentiable; the gradient reaches it (the heads must be frozen).
+        teacher_hidden: ``[B, T, hidden]`` (no gradient).
+        student_head, teacher_head: final hidden ``[rows, hidden]`` -> logits ``[rows, vocab]``
+            (e.g. ``functools.partial(output_logits, model)``).
+        targets: ``[B, T]`` token ids, ``-100`` where a position has no target (needed when ``ce_weight`` > 0).
+        rows: positions per chunk (default :func:`logit_chunk_rows`). Memory beyond the inputs: a few float32
+            ``[rows, vocab]`` tensors while a chunk is computed, and the gradient ``[B, T, hidden]``, kept for the
+            backward pass (so the logits are never recomputed).
+
+    Returns:
+        The scalar loss (float32). Equal to the whole-vocabulary computation up to float32 rounding (sums in
+        another order): ``tests/test_distill_memory.py``.
+    """
+    if ce_weight > 0 and targets is None:
+        raise ValueError("distillation_loss: ce_weight > 0 needs targets")
+    hidden_size = student_hidden.shape[-1]
+    flat_targets = (targets.reshape(-1) if targets is not None
+                    else torch.full(student_hidden.shape[:-1], -100, device=student_hidden.device).reshape(-1))
+    if rows is None:
+        with torch.no_grad():
+            rows = logit_chunk_rows(teacher_head(teacher_hidden.reshape(-1, hidden_size)[:1]).shape[-1])
+    return _ChunkedDistillation.apply(student_hidden.reshape(-1, hidden_size), teacher_hidden.reshape(-1, hidden_size),
+                                      flat_targets, student_head, teacher_head, float(temperature), float(ce_weight),
+                                      int(rows))
+
+
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` token ids -> ``[B, T]`` targets: position ``t`` predicts token ``t + 1``; the last position of each
+    window has none (``-100``)."""
+    targets = torch.full_like(input_ids, -100)
+    targets[:, :-1] = input_ids[:, 1:]
+    return targets
 
 
 class DecoderInputCapture:
@@ -143,18 +245,22 @@ class StudentTail(nn.Module):
     ``checkpoint_from``: windows of at least this many tokens run each layer under activation checkpointing (its
     activations recomputed in the backward pass instead of kept; 0 = never): the memory a long window needs beyond
     the residual stream is one layer's, at the cost of a second forward pass of the tail.
+
+    ``logits``: whether the forward ends with the LM head (False: it returns the final hidden states, and the loss
+    applies the head chunk by chunk, :func:`distillation_loss`).
     """
 
-    def __init__(self, model: nn.Module, first: int, checkpoint_from: int = 0):
+    def __init__(self, model: nn.Module, first: int, checkpoint_from: int = 0, logits: bool = True):
         super().__init__()
-        self.model, self.first, self.checkpoint_from = model, first, checkpoint_from
+        self.model, self.first, self.checkpoint_from, self.logits = model, first, checkpoint_from, logits
         self.architecture = architecture.of(model)
 
     def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``), each layer's keyword arguments
         (:class:`DecoderInputCapture`) -> logits ``[B, T, vocab]`` as the causal LM computes them (the family's
-        multiplier and final softcap included)."""
-        return self.architecture.logits(self.model, self.final_hidden(hidden_states, layer_kwargs))
+        multiplier and final softcap included), or, without ``logits``, the final hidden states ``[B, T, hidden]``."""
+        final = self.final_hidden(hidden_states, layer_kwargs)
+        return self.architecture.logits(self.model, final) if self.logits else final
 
     def final_hidden(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> the final-norm output ``[B, T, hidden]``

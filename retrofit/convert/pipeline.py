@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from retrofit.convert.recipe import load_recipe
+from retrofit.devices import parse_dtype
 from retrofit.errors import RetrofitError
 
 
@@ -24,6 +25,18 @@ def _refuse_options_that_do_nothing(given: dict, config) -> None:
                             "has one process")
     if given.get("lr_lora") is not None and config.lora_rank == 0:
         raise RetrofitError("--lr-lora applies to LoRA, which --lora-rank 0 turns off")
+
+
+def _refuse_what_the_family_cannot_take(config, spec) -> None:
+    """A family retrofit cannot convert (no record, a hybrid already, an option its converted layers do not carry) is
+    refused in one line, before any weight is loaded; so is ``use_rope`` where the family rotates q and k in a way
+    converted layers do not."""
+    from retrofit.hybrid import conversion_refusal
+
+    refusal = conversion_refusal(config)
+    if refusal is not None:
+        raise RetrofitError(f"cannot convert: {refusal}")
+    _refuse_layer_options_the_family_cannot_take(spec, config)
 
 
 def _refuse_layer_options_the_family_cannot_take(spec, config) -> None:
@@ -38,6 +51,15 @@ def _refuse_layer_options_the_family_cannot_take(spec, config) -> None:
     if arch.rotary_interleaved or any(layer.rotary_dims == 0 for layer in arch.layers(text)):
         raise RetrofitError(f"layer_spec use_rope: {arch.model_type} rotates q and k in a way converted layers do not "
                             "(adjacent pairs, or some layers without rotation); convert without use_rope")
+
+
+def _check_precision(config, device: torch.device) -> None:
+    """Frozen weights in bfloat16 need bf16 autocast (the float32 layers that train read bfloat16 activations):
+    refused in one line when this run would not autocast (``bf16`` unset means: on CUDA only)."""
+    autocast = config.bf16 if config.bf16 is not None else device.type == "cuda"
+    if config.frozen_dtype != "float32" and not autocast:
+        raise RetrofitError(f"frozen_dtype {config.frozen_dtype} needs bf16 autocast, which is off on {device.type} "
+                            "unless the recipe sets bf16: true")
 
 
 def _init_distributed(device: str | None) -> torch.device:
@@ -59,41 +81,122 @@ def _init_distributed(device: str | None) -> torch.device:
     return parse_device(device)
 
 
-def convert(model, to: str | None = None, layers: str | None = None, data: list[str] | None = None,
-            out: str | os.PathLike | None = None, tokens: int | None = None, recipe: str | None = None,
-            resume: bool = False, overwrite: bool = False, device: str | None = None, show_progress: bool = True,
-            on_step: Callable[[int, int], None] | None = None, max_minutes: float | None = None,
-            **overrides) -> Path:
-    """Convert ``model`` to a hybrid and save it to ``out`` (returns ``out``).
-
-    ``model``: anything :func:`retrofit.load` takes (directory, .gguf, hub id, alias), or an already loaded
-    ``(model, tokenizer)`` pair (float32; left unchanged: the hybrid gets its own copy of the weights).
-
-    Arguments left None come from the ``recipe`` (YAML); ``overrides`` are DistillConfig fields (CLI options).
-    ``max_minutes``: after this many minutes of training the run writes a checkpoint and raises
-    :class:`retrofit.convert.distill.TrainingPaused` (rerun with ``resume=True`` to continue).
-    Raises :class:`RetrofitError` on bad input: unknown ``to``, bad ``layers``, empty data, ``tokens <= 0``,
-    an existing ``out`` without ``overwrite``, an unsupported attention layout.
-    """
-    from retrofit.convert.data import calibration_files
+def _resolved_settings(recipe, model, preloaded, given: dict, overrides: dict):
+    """The recipe with the arguments and options given applied, checked -> ``(settings, layer type, DistillConfig,
+    LinearAttentionSpec)``; RetrofitError in one line on a bad value."""
     from retrofit.convert.distill import DistillConfig
     from retrofit.convert.select_settings import SelectSettings
-    from retrofit.hybrid import conversion_refusal
     from retrofit.layers import LAYER_TYPES, LinearAttentionSpec
-    from retrofit.load import load, model_config
 
     settings = load_recipe(recipe)
-    preloaded = model if isinstance(model, tuple) else None
-    given = {"model": None if preloaded else model, "to": to, "layers": layers, "data": data, "tokens": tokens, "device": device}
-    settings.update({k: v for k, v in given.items() if v is not None})
+    settings.update({k: v for k, v in {"model": None if preloaded else model, **given}.items() if v is not None})
     settings.update({k: v for k, v in overrides.items() if v is not None})
-    if out is None:
-        raise RetrofitError("no output directory: pass --out DIR")
-    out = Path(out)
     kind = settings.get("to") or "gdn"
     LAYER_TYPES.get(kind)  # RetrofitError with a suggestion on an unknown layer type
     if settings.get("tokens") is not None and int(settings["tokens"]) <= 0:
         raise RetrofitError(f"--tokens must be > 0, got {settings['tokens']}")
+    settings["select"] = SelectSettings.from_mapping(settings.get("select"))  # a bad select: fails before model work
+    distill_values = {k: settings[k] for k in DistillConfig.field_names() if k in settings}
+    try:
+        config = DistillConfig(**distill_values)
+        spec = LinearAttentionSpec.from_dict(settings.get("layer_spec") or {})
+    except (TypeError, ValueError) as err:
+        raise RetrofitError(f"bad setting: {err}") from None
+    return settings, kind, config, spec
+
+
+def _model_config(settings: dict, preloaded, named: bool):
+    """The transformers config of the model to convert, without loading a weight: a preloaded model's, a named
+    configuration's (``retrofit.model_configs``, when ``named``), else what :func:`retrofit.load.load_config` reads."""
+    from retrofit.load import load_config
+    from retrofit.model_configs import MODEL_CONFIGS
+
+    if preloaded is not None:
+        return preloaded[0].config
+    if not settings.get("model"):
+        raise RetrofitError("no model given (MODEL argument or `model:` in the recipe)")
+    if named and settings["model"] in MODEL_CONFIGS:
+        return MODEL_CONFIGS.get(settings["model"])()
+    return load_config(settings["model"])
+
+
+def _memory_plan(model_config, settings: dict, kind: str, spec, config, device: torch.device,
+                 device_memory: int | None, world: int):
+    """The memory plan (:func:`retrofit.convert.memory.plan_memory`) of this run's layers and settings."""
+    from retrofit.convert.memory import device_memory_of, plan_memory
+    from retrofit.convert.selection import layer_count, parse_layer_spec
+
+    text = model_config.get_text_config(decoder=True)
+    num_layers = int(text.num_hidden_layers)
+    parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), num_layers)
+    if device_memory is None and (device.type != "cuda" or torch.cuda.is_available()):
+        device_memory = device_memory_of(device)
+    return plan_memory(model_config, None if parsed.needs_scoring else list(parsed.indices), kind, spec, config,
+                       world, device, device_memory, str(settings.get("model") or ""),
+                       layer_count(parsed.fraction, num_layers) if parsed.needs_scoring else 0)
+
+
+def plan(model, to: str | None = None, layers: str | None = None, tokens: int | None = None,
+         recipe: str | None = None, device: str | None = None, device_memory: int | str | None = None,
+         **overrides):
+    """What :func:`convert` with the same arguments would hold in memory, worked out without loading any weight
+    (the model is built from its config on the meta device) -> :class:`retrofit.convert.memory.MemoryPlan`.
+
+    ``model`` may also name a configuration of :data:`retrofit.model_configs.MODEL_CONFIGS` (``llama3-8b``,
+    ``qwen2.5-7b``, ...). ``device``: the device the run would use; it need not be present here (a plan for a GPU
+    made on a laptop). ``device_memory``: bytes or a size like ``"80GiB"`` (default: the device's, where known).
+    The number of processes is ``WORLD_SIZE`` (as torchrun sets it; 1 without). RetrofitError on a bad setting.
+    """
+    from retrofit.convert.memory import parse_memory_size
+
+    preloaded = model if isinstance(model, tuple) else None
+    settings, kind, config, spec = _resolved_settings(recipe, model, preloaded,
+                                                      {"to": to, "layers": layers, "tokens": tokens, "device": device},
+                                                      overrides)
+    try:
+        torch_device = torch.device(settings.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as err:
+        raise RetrofitError(f"unknown device {settings.get('device')!r} ({err})") from None
+    _check_precision(config, torch_device)
+    memory = None if device_memory is None else parse_memory_size(device_memory)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model_config = _model_config(settings, preloaded, named=True)
+    _refuse_what_the_family_cannot_take(model_config, spec)
+    return _memory_plan(model_config, settings, kind, spec, config, torch_device, memory, world)
+
+
+def convert(model, to: str | None = None, layers: str | None = None, data: list[str] | None = None,
+            out: str | os.PathLike | None = None, tokens: int | None = None, recipe: str | None = None,
+            resume: bool = False, overwrite: bool = False, device: str | None = None, show_progress: bool = True,
+            on_step: Callable[[int, int], None] | None = None, max_minutes: float | None = None,
+            device_memory: int | str | None = None, **overrides) -> Path:
+    """Convert ``model`` to a hybrid and save it to ``out`` (returns ``out``).
+
+    ``model``: anything :func:`retrofit.load` takes (directory, .gguf, hub id, alias), or an already loaded
+    ``(model, tokenizer)`` pair in the dtype of ``frozen_dtype`` (float32 unless asked), left unchanged: the student
+    holds its weights without writing them (the teacher is the model itself), and its own copies only of what it
+    changes (the converted layers, the weights LoRA is merged into).
+
+    Arguments left None come from the ``recipe`` (YAML); ``overrides`` are DistillConfig fields (CLI options).
+    ``max_minutes``: after this many minutes of training the run writes a checkpoint and raises
+    :class:`retrofit.convert.distill.TrainingPaused` (rerun with ``resume=True`` to continue).
+    ``device_memory`` (bytes, or a size like ``"80GiB"``): the run's memory plan (:func:`plan`) must fit it, else
+    the run is refused before the model loads; ``checkpoint_activations_from: auto`` reads it (default: the
+    device's memory).
+    Raises :class:`RetrofitError` on bad input: unknown ``to``, bad ``layers``, empty data, ``tokens <= 0``,
+    an existing ``out`` without ``overwrite``, an unsupported attention layout, a plan over ``device_memory``.
+    """
+    from retrofit.convert.data import calibration_files
+    from retrofit.convert.memory import parse_memory_size, resolved_checkpointing
+    from retrofit.load import load
+
+    preloaded = model if isinstance(model, tuple) else None
+    if out is None:
+        raise RetrofitError("no output directory: pass --out DIR")
+    out = Path(out)
+    settings, kind, config, spec = _resolved_settings(
+        recipe, model, preloaded, {"to": to, "layers": layers, "data": data, "tokens": tokens, "device": device},
+        overrides)
     if out.exists() and not overwrite:
         raise RetrofitError(f"output directory {out} exists; pass --overwrite to replace it")
     if resume:
@@ -106,21 +209,10 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
     if isinstance(data_paths, str):
         data_paths = [data_paths]
     files = calibration_files(data_paths or [])
-    settings["select"] = SelectSettings.from_mapping(settings.get("select"))  # a bad select: fails before model work
-    distill_values = {k: settings[k] for k in DistillConfig.field_names() if k in settings}
-    try:
-        config = DistillConfig(**distill_values)
-        spec = LinearAttentionSpec.from_dict(settings.get("layer_spec") or {})
-    except (TypeError, ValueError) as err:
-        raise RetrofitError(f"bad setting: {err}") from None
     _refuse_options_that_do_nothing(overrides, config)
-    dense_config = preloaded[0].config if preloaded is not None else (
-        model_config(settings["model"]) if settings.get("model") else None)
-    if dense_config is not None:  # before any weight is loaded
-        refusal = conversion_refusal(dense_config)
-        if refusal is not None:
-            raise RetrofitError(f"cannot convert: {refusal}")
-        _refuse_layer_options_the_family_cannot_take(spec, dense_config)
+    if preloaded is not None or settings.get("model"):  # before any weight is loaded
+        _refuse_what_the_family_cannot_take(_model_config(settings, preloaded, named=False), spec)
+    memory = None if device_memory is None else parse_memory_size(device_memory)
 
     import time
 
@@ -129,18 +221,32 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
 
     group_was_open = dist.is_available() and dist.is_initialized()
     torch_device = _init_distributed(settings.get("device"))
+    _check_precision(config, torch_device)
+    run_config = config
+    if memory is not None or config.checkpoint_activations_from == "auto":  # the plan, before any weight loads
+        from retrofit.convert.distill import distributed
+
+        memory_plan = _memory_plan(_model_config(settings, preloaded, named=False), settings, kind, spec, config,
+                                   torch_device, memory, distributed()[1])
+        if memory is not None and memory_plan.refusal():
+            raise RetrofitError(memory_plan.refusal())
+        run_config = dataclasses.replace(config, checkpoint_activations_from=resolved_checkpointing(memory_plan))
     if preloaded is not None:
         dense, tokenizer = preloaded
+        held = next(dense.parameters()).dtype
+        if held != parse_dtype(config.frozen_dtype):
+            raise RetrofitError(f"the preloaded model is in {str(held).removeprefix('torch.')} and frozen_dtype is "
+                                f"{config.frozen_dtype}: pass a model loaded in {config.frozen_dtype}, or its name")
         dense = dense.to(torch_device)
         settings.setdefault("model", getattr(dense.config, "_name_or_path", "") or type(dense).__name__)
     else:
         if not settings.get("model"):
             raise RetrofitError("no model given (MODEL argument or `model:` in the recipe)")
-        dense, tokenizer = load(settings["model"], dtype="float32", device=torch_device)
+        dense, tokenizer = load(settings["model"], dtype=config.frozen_dtype, device=torch_device)
     grad_flags = {name: p.requires_grad for name, p in dense.named_parameters()}
     try:
-        return _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume,
-                               overwrite, show_progress, on_step, deadline)
+        return _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config, spec, torch_device, out,
+                               resume, overwrite, show_progress, on_step, deadline)
     finally:
         for name, p in dense.named_parameters():
             p.requires_grad_(grad_flags[name])
@@ -148,8 +254,10 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
             dist.destroy_process_group()  # the group this call started (left open at exit, NCCL warns of a leak)
 
 
-def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch_device, out, resume, overwrite,
-                    show_progress, on_step, deadline) -> Path:
+def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config, spec, torch_device, out, resume,
+                    overwrite, show_progress, on_step, deadline) -> Path:
+    """The conversion once the model is loaded. ``config``: the settings as given (what the checkpoint fingerprint
+    and the hybrid's record keep); ``run_config``: the same with ``checkpoint_activations_from: auto`` resolved."""
     from retrofit.convert.checkpoint import SELECTION_FILE, save_selection, selection_of_earlier_run, work_dir_for
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
@@ -209,9 +317,9 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, spec, torch
 
     section = HybridSection(layers=chosen, layer_type=kind, base_model_type=architecture.base_model_type(dense.config),
                             layer_spec=spec.to_dict())
-    hybrid = to_hybrid(dense, section, share_weights=False)
+    hybrid = to_hybrid(dense, section, share_weights=True, layer_dtype=torch.float32)  # the frozen weights: dense's
     fingerprint = {**run_key, "layers": chosen}
-    distiller = Distiller(dense, hybrid, chosen, config, pools, work_dir, fingerprint, torch_device,
+    distiller = Distiller(dense, hybrid, chosen, run_config, pools, work_dir, fingerprint, torch_device,
                           resume=resume, show_progress=show_progress, on_step=on_step, deadline=deadline)
     model = distiller.run()
     section.distillation = {"tokens": config.tokens, "stage1_steps": distiller.plan.stage1_steps,

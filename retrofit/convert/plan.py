@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from retrofit.convert.copies import check_copy_settings
 
 PARALLEL_MODES = ("ddp", "fsdp")
+FROZEN_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -28,7 +29,9 @@ class DistillConfig:
             Empty: all of stage 2 on ``seq_len`` windows.
         checkpoint_activations_from: windows of at least this many tokens run each decoder layer of the student under
             activation checkpointing in stage 2 (recomputed in the backward pass instead of kept): memory stays
-            near one layer's activations when a long window cannot be split any further. 0 = never.
+            near one layer's activations when a long window cannot be split any further. 0 = never. ``auto``: from
+            the shortest window whose stage-2 peak without it would not fit the device, by the memory plan
+            (:mod:`retrofit.convert.memory`) made before the model loads.
         lr_stage1: learning rate of the new layers in stage 1.
         lr_stage2: learning rate of the new layers in stage 2.
         lr_lora: learning rate of the LoRA adapters in stage 2.
@@ -46,6 +49,10 @@ class DistillConfig:
         checkpoint_every: optimizer steps between training checkpoints (0 = never).
         seed: seed of the data order and of the LoRA initialisation.
         bf16: bf16 autocast (None: on CUDA only).
+        frozen_dtype: dtype of the dense model's weights, held once and shared by the teacher and the student's
+            frozen part: ``float32`` or ``bfloat16`` (half the bytes; needs bf16 autocast, and the run then computes
+            the teacher's hidden states from bfloat16 weights and residual stream). What trains (the converted layers,
+            LoRA) keeps float32 weights, gradients and AdamW state either way; the saved hybrid is in this dtype.
         parallel: multi-process engine under torchrun: ``ddp`` (DistributedDataParallel) or ``fsdp`` (FSDP2
             ``fully_shard``); ignored in a single process.
     """
@@ -56,7 +63,7 @@ class DistillConfig:
     grad_accum: int = 1
     stage1_fraction: float = 0.25
     stage2_lengths: str = ""
-    checkpoint_activations_from: int = 0
+    checkpoint_activations_from: int | str = 0
     lr_stage1: float = 1e-3
     lr_stage2: float = 3e-4
     lr_lora: float = 1e-4
@@ -73,6 +80,7 @@ class DistillConfig:
     checkpoint_every: int = 200
     seed: int = 0
     bf16: bool | None = None
+    frozen_dtype: str = "float32"
     parallel: str = "ddp"
 
     def __post_init__(self):
@@ -89,8 +97,11 @@ class DistillConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
             raise ValueError("lora_rank, checkpoint_every and ce_weight must be >= 0")
-        if self.checkpoint_activations_from < 0:
-            raise ValueError(f"checkpoint_activations_from must be >= 0, got {self.checkpoint_activations_from}")
+        self.checkpoint_activations_from = _tokens_or_auto(self.checkpoint_activations_from)
+        if self.frozen_dtype not in FROZEN_DTYPES:
+            raise ValueError(f"frozen_dtype must be one of {', '.join(FROZEN_DTYPES)}, got {self.frozen_dtype!r}")
+        if self.frozen_dtype != "float32" and self.bf16 is False:
+            raise ValueError(f"frozen_dtype {self.frozen_dtype} needs bf16 autocast; bf16 is false")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
         unknown = set(self.lora_target_groups()) - {"attention", "mlp"}
@@ -115,6 +126,19 @@ class DistillConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _tokens_or_auto(value) -> int | str:
+    """``checkpoint_activations_from``: a token count >= 0 (also as text) or ``"auto"``; ValueError naming it else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        tokens = int(value)
+    except (TypeError, ValueError):
+        tokens = -1
+    if isinstance(value, (bool, float)) or tokens < 0:
+        raise ValueError(f"checkpoint_activations_from must be a token count >= 0 or auto, got {value!r}")
+    return tokens
 
 
 def parse_lengths(value) -> list[tuple[int, float]]:

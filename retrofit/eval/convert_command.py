@@ -78,6 +78,9 @@ def _convert_then_report(**values) -> None:
     from retrofit.eval.table import markdown_table
 
     report_values = {option.name: values.pop(option.name) for option in REPORT_OPTIONS}
+    if values["dry_run"]:  # the memory plan alone: nothing is converted, so nothing is reported
+        conversion_command.callback(**values)
+        return
     if not report_values.pop("report"):
         refuse_without(click.get_current_context(), {name: (False, "the report (drop --no-report)")
                                                      for name in report_values})
