@@ -69,7 +69,8 @@ def test_checkpoint_keeps_base_architecture_and_retrofit_section(small_hybrid, s
     section = config["retrofit"]
     assert section["layers"] == [13, 22] and section["layer_type"] == "gdn" and section["version"] == 1
     assert section["distillation"]["stage1_steps"] == 4 and section["distillation"]["stage2_steps"] == 4
-    assert [i for i, t in enumerate(config["layer_types"]) if t == "linear_attention"] == [13, 22]
+    # layer_types stays the base family's (Llama's config has none): converted layers are named by the section only
+    assert "linear_attention" not in config.get("layer_types", [])
     assert (small_hybrid / "model.safetensors").is_file() and (small_hybrid / "tokenizer.json").is_file()
     assert not work_dir_for(small_hybrid).exists()  # training checkpoint removed after a successful run
 

@@ -284,7 +284,7 @@ def test_a_kda_layers_input_projections_run_as_one_gemm_with_its_own_output():
     from retrofit.layers import AttentionShape, KimiDeltaAttention
 
     torch.manual_seed(0)
-    shape = AttentionShape(hidden_size=72, num_heads=9, num_kv_heads=3, head_dim=16, bias=False)
+    shape = AttentionShape(hidden_size=72, num_heads=9, num_kv_heads=3, head_dim=16)
     layer = KimiDeltaAttention(shape, layer_idx=0).eval()
     with torch.no_grad():
         for module in (layer.f_b_proj, layer.g_b_proj, layer.b_proj):  # spread in the gates (they start constant)

@@ -9,14 +9,19 @@ from retrofit.architecture import Architecture, Weight
 
 
 @torch.no_grad()
-def init_from_attention(layer: nn.Module, attention: nn.Module, arch: Architecture, config) -> None:
+def init_from_attention(layer: nn.Module, attention: nn.Module, arch: Architecture | None = None,
+                        config=None) -> None:
     """Copy the dense attention's q/k/v/o projections (and biases, and q/k norm weights) into a GDN/KDA ``layer``.
 
     ``arch``: the family's architecture record, which splits fused q/k/v projections (Phi-3, GPT-NeoX, Falcon,
     GPT-2) into separate ``[out, in]`` matrices. With ``expand_kv`` the layer has one key/value head per query head:
     the kv head's rows are repeated for each query head of its group (``[H_kv * D, hidden] -> [H_q * D, hidden]``).
     The layer's other parameters keep their own initialisation (identity conv, slow decay, output gate near 1).
+    ``arch`` and ``config`` default to the attention module's own config (transformers' modules keep it) and its
+    family's record.
     """
+    config = config if config is not None else attention.config
+    arch = arch if arch is not None else architecture.of(config)
     parts = arch.projections(attention, config)
     _copy_linear(layer.q_proj, parts.q)
     _copy_linear(layer.o_proj, parts.o)
