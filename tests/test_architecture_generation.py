@@ -70,3 +70,17 @@ def test_sliding_layers_keep_a_ring_of_their_window(row):
                 assert not isinstance(layer, RingLayer), (name, index)
     finally:
         release(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [row.name for row in zoo.ROWS + zoo.HYBRID_ROWS])
+def test_engine_tokens_equal_transformers_cuda(name):
+    """On CUDA (float32): the decode step captured as a graph, the Triton kernels, the fused layers where the family
+    has them, rings for sliding windows: the same tokens as ``model.generate``, in one prefill and in chunks."""
+    model = zoo.build(name).cuda()
+    ids, mask = (tensor.cuda() for tensor in prompts())
+    dense = dense_tokens(model, ids, mask)
+    for prefill_chunk in (4096, 100):
+        tokens = retrofit.generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], prefill_chunk=prefill_chunk)
+        assert torch.equal(tokens, dense), (name, prefill_chunk, (tokens != dense).sum().item())
+    release(model)

@@ -14,13 +14,16 @@ order 1.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import architecture_zoo as zoo
 import retrofit.architecture as architecture
+from retrofit.architecture.table import support_table
 from retrofit.attention_functions import attention_function, dense_attention, implementation_of
+from retrofit.errors import RetrofitError
 
 TOL = 1e-5
 
@@ -120,6 +123,19 @@ def test_record_logits_are_the_models(probed):
 def test_an_undescribed_family_is_refused_in_one_line():
     from transformers import BertConfig
 
-    with pytest.raises(architecture.RetrofitError if hasattr(architecture, "RetrofitError") else Exception) as err:
+    with pytest.raises(RetrofitError) as err:
         architecture.of(BertConfig())
     assert "'bert' has no architecture record" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_record_has_a_zoo_row_and_every_row_a_record():
+    """A family added to the records is contract-tested the day it is added (and the zoo tests nothing else)."""
+    zoo_families = {row.model_type for row in zoo.ROWS + zoo.HYBRID_ROWS}
+    assert zoo_families == set(architecture.ARCHITECTURES.names())
+    assert len({row.model_type for row in zoo.ROWS}) == 21
+
+
+def test_readme_table_is_the_one_the_records_make():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = readme.index("<!-- architectures -->\n"), readme.index("<!-- /architectures -->")
+    assert readme[start + len("<!-- architectures -->\n"):end].strip() == support_table()

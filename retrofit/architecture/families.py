@@ -37,10 +37,6 @@ def _gemma_final_softcap(config):
     return getattr(config, "final_logit_softcapping", None)
 
 
-def _refuse_if(flag: str, reason: str):
-    return lambda config: reason if getattr(config, flag, False) else None
-
-
 LLAMA_LIKE = dict(decode_fusion=True)
 
 _add(Architecture("llama", biases=_both("attention_bias"), **LLAMA_LIKE))
@@ -59,8 +55,8 @@ _add(Architecture("gemma3_text", biases=_both("attention_bias"), norm="rms_unit_
                   final_logit_softcap=_gemma_final_softcap))
 _add(Architecture("cohere", biases=_both("attention_bias"), norm="layer", rotary_interleaved=True,
                   parallel_block=lambda config: True, logit_multiplier=lambda config: config.logit_scale,
-                  refuse_conversion=_refuse_if("use_qk_norm", "cohere's q/k LayerNorm (use_qk_norm) is not carried "
-                                                             "into converted layers")))
+                  conversion_refused_with=("use_qk_norm", "cohere's q/k LayerNorm is not carried into converted "
+                                                          "layers")))
 _add(Architecture("cohere2", biases=_both("attention_bias"), norm="layer", rotary_interleaved=True,
                   parallel_block=lambda config: True, logit_multiplier=lambda config: config.logit_scale,
                   rotates=lambda config, index, kind: kind == "sliding_attention"))
@@ -70,8 +66,8 @@ _add(Architecture("granite", biases=_both("attention_bias"), scaling=lambda conf
                   logit_multiplier=lambda config: 1.0 / config.logits_scaling))
 _add(Architecture("stablelm", biases=_qkv_only("use_qkv_bias"), norm="layer",
                   parallel_block=lambda config: bool(config.use_parallel_residual),
-                  refuse_conversion=_refuse_if("qk_layernorm", "stablelm's per-head q/k LayerNorm (qk_layernorm) is "
-                                                               "not carried into converted layers")))
+                  conversion_refused_with=("qk_layernorm", "stablelm's per-head q/k LayerNorm is not carried into "
+                                                           "converted layers")))
 _add(Architecture("glm", biases=_qkv_only("attention_bias"), rotary_interleaved=True,
                   mlp_projections=("gate_up_proj", "down_proj")))
 _add(Architecture("starcoder2", biases=_both("use_bias", True), norm="layer", mlp_projections=("c_fc", "c_proj")))

@@ -93,7 +93,7 @@ class Architecture:
     norm: str = "rms"
     parallel_block: ConfigRule = lambda config: False
     decode_fusion: bool = False
-    refuse_conversion: ConfigRule = lambda config: None
+    conversion_refused_with: tuple[str, str] | None = None
     already_hybrid: bool = False
     notes: str = ""
 
@@ -215,7 +215,11 @@ class Architecture:
         """Why this config cannot be converted to a hybrid (one line), or None."""
         if self.already_hybrid:
             return f"{self.model_type} is already a hybrid of linear and softmax attention"
-        return self.refuse_conversion(config)
+        if self.conversion_refused_with is not None:
+            flag, reason = self.conversion_refused_with
+            if getattr(config, flag, False):
+                return f"{reason} ({flag} is set)"
+        return None
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ Variants (dense always runs first, each variant after it; one model on the devic
       softmax layers. seer:budget=N,random_gates=true: untrained gates of the right shape (speed only).
 \b
 Engines (--engine, repeatable): retrofit (default; static cache, decode step captured as a CUDA graph on
-  CUDA, Llama/Mistral/Qwen2 decoder layers through fused kernels where they run on Triton), retrofit-unfused
+  CUDA, the decoder layers of families with a fused decode path through fused kernels where they run on Triton;
+  the table's notes say which layers ran unfused), retrofit-unfused
   (the same with the model's own decoder layers: fuse_layers=False), transformers (model.generate, growing
   cache), transformers-compile (model.generate with transformers' static cache and torch.compile; sparse
   variants are refused in their rows). Each point: --warmup runs, then --repeats timed runs; the table shows the medians, the spread, and
@@ -83,7 +84,8 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.bench.configs import MODEL_CONFIGS, build_random_model, check_fits
     from retrofit.bench.floor import copy_bandwidth
     from retrofit.bench.measure import run_bench
-    from retrofit.bench.report import markdown_table, variant_notes
+    from retrofit.bench.report import fusion_note, markdown_table, variant_notes
+    from retrofit.generation.fused_layers import fusion_coverage
     from retrofit.cliargs import parse_lengths
     from retrofit.devices import default_dtype, parse_device, parse_dtype
     from retrofit.load import ALIASES, load
@@ -130,6 +132,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
               "parameters": sum(p.numel() for p in model.parameters()),
               "variants": ["dense"] + [variant.name for variant in variants],
               "variant_details": {name: facts for name, facts in details.items() if facts},
+              "decode_fusion": fusion_coverage(model),
               "versions": library_versions()}
     if torch_device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(torch_device)
@@ -145,7 +148,10 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
                             repeats=repeats, warmup=warmup, bandwidth=bandwidth,
                             on_point=lambda engine_points: save(points + engine_points, complete=False))
     save(points, complete=True)
-    click.echo(markdown_table(points, variant_notes(details), bandwidth))
+    notes = variant_notes(details)
+    if "retrofit" in engines:
+        notes.append(fusion_note(config["decode_fusion"]))
+    click.echo(markdown_table(points, notes, bandwidth))
 
 
 def check_lengths(model, contexts: list[int], decode_tokens: int) -> None:

@@ -27,6 +27,26 @@ def variant_notes(details: dict[str, dict]) -> list[str]:
     return notes
 
 
+def fusion_note(coverage: dict) -> str:
+    """One line: which decoder layers the engine's decode step runs fused on Triton, and which run unfused
+    (:func:`retrofit.generation.fused_layers.fusion_coverage`)."""
+    total, layers, attention = coverage["total"], coverage["layers"], coverage["attention"]
+    if not coverage["record"]:
+        return (f"decode fusion (Triton): none of the {total} decoder layers; {coverage['family']} has no fused decode "
+                "path, its layers run the model's own forward.")
+    unfused = [i for i in range(total) if i not in set(layers)]
+    own_attention = [i for i in layers if i not in set(attention)]
+    line = f"decode fusion (Triton): {len(layers)} of {total} decoder layers fused"
+    if unfused:
+        line += f"; unfused: {_layer_list(unfused)}"
+    if own_attention:
+        line += f"; attention unfused in {_layer_list(own_attention)}"
+    if coverage.get("sliding"):
+        line += (f"; sliding-window layers {_layer_list(coverage['sliding'])} run their own attention over a ring "
+                 "where the window is shorter than the cache")
+    return line + "."
+
+
 def _layer_list(indices: list[int]) -> str:
     """``[0, 1, 2, 4, 5, 6]`` -> ``0-2, 4-6``."""
     runs: list[list[int]] = []

@@ -359,6 +359,42 @@ class FusedDecoderLayer:
         return attention.o(attended.view(B, attention.heads * D))
 
 
+def fusion_coverage(model: torch.nn.Module) -> dict[str, object]:
+    """Which decoder layers of ``model`` a decode step on the Triton backend runs fused, read off the architecture
+    record and the modules without changing anything (no weights merged): ``{"layers": [fused decoder layers],
+    "attention": [of those, the ones whose rotation, cache write and attention are fused too], "total": L,
+    "sliding": [of those, the sliding-window ones], "family": model_type, "record": whether the family has a fused
+    decode path}``. A sliding-window layer whose window is shorter than the cache keeps its own attention over a ring
+    even where listed under "attention"."""
+    arch = architecture.of(model)
+    config = architecture.text_config(model)
+    head_dim = arch.head_dim(config)
+    layers, attention, sliding = [], [], []
+    for index, (block, facts) in enumerate(zip(arch.blocks(model), arch.layers(config))):
+        if not (arch.decode_fusion and _from_transformers(block)):
+            continue
+        attn, mlp = getattr(block, arch.attention, None), getattr(block, arch.mlp, None)
+        norms = [getattr(block, name, None) for name in ("input_layernorm", "post_attention_layernorm")]
+        plain = [type(getattr(mlp, name, None)) is torch.nn.Linear for name in ("gate_proj", "up_proj", "down_proj")]
+        if attn is None or not all(plain) or not _is_silu(getattr(mlp, "act_fn", None)) or \
+                any(_norm_fields(norm) is None for norm in norms):
+            continue
+        layers.append(index)
+        if facts.window is not None:
+            sliding.append(index)
+        projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if _from_transformers(attn) and facts.softmax and facts.softcap is None and facts.rotary_dims == head_dim \
+                and all(type(module) is torch.nn.Linear for module in projections):
+            attention.append(index)
+    return {"layers": layers, "attention": attention, "sliding": sliding, "total": len(arch.blocks(model)),
+            "family": arch.model_type, "record": arch.decode_fusion}
+
+
+def _norm_fields(module) -> tuple[torch.Tensor, float] | None:
+    norm = Norm.of(module)
+    return None if norm is None else (norm.weight, norm.eps)
+
+
 class FusedNorm:
     """The model's final RMSNorm as one kernel for a decode token (the layer's own forward otherwise)."""
 
