@@ -36,7 +36,11 @@ def implementation_of(model: torch.nn.Module) -> str:
 
 def dense_attention(implementation: str, module, query, key, value, attention_mask, **kwargs):
     """Run attention implementation ``implementation`` (as transformers would) for ``module``; ``eager`` is the
-    modeling file's own ``eager_attention_forward``."""
+    modeling file's own ``eager_attention_forward``. A call that asks for logit softcapping (``softcap``, Gemma 2)
+    runs the eager function whatever the implementation: transformers' SDPA and flash functions leave the cap out
+    without a word, and retrofit computes the model as its family defines it."""
+    if kwargs.get("softcap"):
+        implementation = "eager"
     if implementation == "eager":
         function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
     else:
@@ -70,6 +74,9 @@ def attention_function(model: torch.nn.Module, function: Callable, tag: str,
     attention_mask, **kwargs)`` (transformers' attention interface) and masks are built by ``mask_function``
     (transformers' mask interface; default: the model's own, so masks are exactly as before); yields the private
     name both are registered under (``retrofit_<tag>_<id>``)."""
+    from retrofit.model_info import attention_layout
+
+    attention_layout(model).require_interface(f"retrofit's attention function ({tag})")
     name = f"retrofit_{tag}_{id(function):x}"
     saved = [(config, config.__dict__.get("_attn_implementation_internal")) for config in _attention_configs(model)]
     ALL_ATTENTION_FUNCTIONS._global_mapping[name] = function

@@ -2,6 +2,7 @@
 the layout retrofit needs to patch, convert or size it."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -29,6 +30,23 @@ class AttentionLayout:
     attention_modules: list[nn.Module] = field(repr=False)
     layers: list[LayerAttention] = field(default_factory=list, repr=False)
     architecture: Architecture | None = field(default=None, repr=False)
+
+    @property
+    def interfaced(self) -> bool:
+        """Whether every softmax layer computes its attention through transformers' attention interface
+        (``ALL_ATTENTION_FUNCTIONS``), which generation and sparse decoding run their own attention through. Some
+        families came to it later than others (Falcon after transformers 5.17)."""
+        return all(hasattr(sys.modules[type(self.attention_modules[i]).__module__], "ALL_ATTENTION_FUNCTIONS")
+                   for i in self.softmax_layers)
+
+    def require_interface(self, purpose: str) -> None:
+        """RetrofitError (one line) unless :attr:`interfaced`."""
+        if not self.interfaced:
+            import transformers
+
+            raise RetrofitError(f"{self.architecture.model_type}'s attention in transformers {transformers.__version__} "
+                                f"is computed outside transformers' attention interface, which {purpose} needs; "
+                                "a newer transformers release routes it through the interface")
 
     @property
     def softmax_layers(self) -> list[int]:

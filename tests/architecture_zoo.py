@@ -101,12 +101,19 @@ BY_NAME = {row.name: row for row in ROWS + HYBRID_ROWS}
 FAMILIES = sorted({row.model_type for row in ROWS})
 
 
+def implementation(config) -> str | None:
+    """The attention implementation a row runs: eager for a softcapped Gemma 2, as transformers recommends (its SDPA
+    function leaves the cap out; eager is its default from 5.2x on), else transformers' default (None)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+
+
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """The row's model with random weights (``seed``), every bias random too, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = BY_NAME[name].config()
+    config._attn_implementation = implementation(config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -114,3 +121,20 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
             if parameter_name.endswith(".bias"):
                 parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
     return model
+
+
+def refused_unless_interfaced(model, run) -> bool:
+    """Whether ``model``'s family computes attention through transformers' attention interface in this transformers
+    release (Falcon does from after 5.17). Where it does not, ``run()`` (a generation or a sparse session, which need
+    the interface) must be refused in one line, and this returns False: the caller has nothing else to compare."""
+    import pytest
+
+    from retrofit.errors import RetrofitError
+    from retrofit.model_info import attention_layout
+
+    if attention_layout(model).interfaced:
+        return True
+    with pytest.raises(RetrofitError, match="outside transformers' attention interface") as err:
+        run()
+    assert "\n" not in str(err.value)
+    return False

@@ -48,10 +48,13 @@ def test_convert_save_reload_generate(name, kind, smollm2, calib_data_dir, tmp_p
     section = json.loads((out / "config.json").read_text())["retrofit"]
     assert section["layers"] == CONVERTED and section["layer_type"] == kind
     register()
-    hybrid = AutoModelForCausalLM.from_pretrained(out).eval()
+    config = zoo.BY_NAME[name].config()
+    hybrid = AutoModelForCausalLM.from_pretrained(out, attn_implementation=zoo.implementation(config)).eval()
     arch = architecture.of(hybrid)
     assert [getattr(arch.attention_module(hybrid, i), "retrofit_layer_type", None) for i in CONVERTED] == [kind] * 2
     ids, mask = prompts()
+    if not zoo.refused_unless_interfaced(hybrid, lambda: retrofit.generate(hybrid, ids, mask, max_new_tokens=8)):
+        return
     with torch.no_grad():
         expected = hybrid.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
                                    do_sample=False, eos_token_id=None, pad_token_id=0)

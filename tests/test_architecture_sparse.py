@@ -42,6 +42,11 @@ def hf_generate(model, ids, mask) -> torch.Tensor:
                               do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
+def _open(model, method: str, budget: int, settings: dict) -> None:
+    with sparse_decoding(model, method=method, budget=budget, **settings[method]):
+        pass
+
+
 @pytest.fixture(scope="module", params=ROWS)
 def row(request, one_cpu_thread):
     model = zoo.build(request.param)
@@ -56,6 +61,8 @@ def test_methods_have_zoo_settings():
 @pytest.mark.parametrize("method", METHODS.names())
 def test_budget_covering_the_context_gives_dense_tokens(row, method):
     name, model, ids, mask, dense = row
+    if not zoo.refused_unless_interfaced(model, lambda: _open(model, method, 1024, EXACT)):
+        return
     with sparse_decoding(model, method=method, budget=1024, **EXACT[method]):
         assert torch.equal(hf_generate(model, ids, mask), dense), (name, "model.generate")
         engine = retrofit.generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[])
@@ -65,6 +72,8 @@ def test_budget_covering_the_context_gives_dense_tokens(row, method):
 @pytest.mark.parametrize("method", METHODS.names())
 def test_small_budget_runs_sparse_on_every_patched_layer(row, method):
     name, model, ids, mask, _ = row
+    if not zoo.refused_unless_interfaced(model, lambda: _open(model, method, 64, SMALL)):
+        return
     patched = softmax_attention_layers(model)
     with sparse_decoding(model, method=method, budget=64, **SMALL[method]) as session:
         tokens = retrofit.generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[])

@@ -13,6 +13,7 @@ from retrofit.generation.inputs import SamplingOptions, checked_prompt, eos_toke
 from retrofit.generation.inputs import pad_token_id as default_pad_token_id
 from retrofit.generation.kept import KeptGeneration, keep, reuse_key, take
 from retrofit.generation.sampling import TokenChooser
+from retrofit.model_info import attention_layout
 from retrofit.sparse.patch import active_session
 
 
@@ -122,6 +123,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     model's own layers.
     """
     input_ids, attention_mask = checked_prompt(model, input_ids, attention_mask, max_new_tokens)
+    attention_layout(model).require_interface("retrofit's generation engine")
     options = SamplingOptions.checked(do_sample, temperature, top_p, seed)
     if isinstance(stop_check_every, bool) or not isinstance(stop_check_every, int) or stop_check_every <= 0:
         raise RetrofitError(f"stop_check_every must be a positive number of tokens, got {stop_check_every!r}")

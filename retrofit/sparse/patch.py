@@ -176,6 +176,7 @@ def sparse_decoding(
     if model in _ACTIVE:
         raise RetrofitError("sparse_decoding is already open on this model: close it before opening another")
     sparse_method = build_method(method, budget, **params)
+    attention_layout(model).require_interface("sparse decoding")
     attention = softmax_attention_layers(model)
     if not attention:
         raise RetrofitError(f"{type(model).__name__} has no softmax-attention layer whose cache grows with the context "
