@@ -25,9 +25,39 @@ def describe(model: nn.Module, name: str = "model", licence: str | None = None) 
         f"head dim         {layout.head_dim}",
         f"hidden size      {layout.hidden_size}",
         f"max positions    {layout.max_positions}",
-        f"KV cache         {kv_per_token:,} bytes per token ({kv_per_token * 1024 / 2**20:.2f} MiB per 1K tokens)",
-        "",
-        "layer  attention",
+        f"KV cache         {kv_per_token:,} bytes per token ({kv_per_token * 1024 / 2**20:.2f} MiB per 1K tokens), "
+        f"{len(layout.unbounded_layers)} layer(s) whose cache grows with the context",
     ]
-    lines += [f"{index:>5}  {kind}" for index, kind in enumerate(layout.layer_types)]
+    if layout.sliding_layers:
+        window_bytes = layout.window_bytes(element_bytes)
+        count = len(layout.sliding_layers)
+        lines.append(f"sliding windows  {count} layer{'s' if count != 1 else ''} hold{'s' if count == 1 else ''} {window_bytes / 2**20:.2f} MiB per "
+                     "sequence at most, whatever the context")
+    state = sum(module.state_bytes() for module in layout.attention_modules if hasattr(module, "state_bytes"))
+    if state:
+        lines.append(f"linear state     {state / 2**20:.2f} MiB per sequence in the converted layers, whatever the "
+                     "context")
+    lines += ["", "layers  attention"]
+    lines += [f"{_span(first, last):>6}  {kind}" for first, last, kind in _runs(_kinds(layout))]
     return "\n".join(lines)
+
+
+def _kinds(layout) -> list[str]:
+    """Per layer: its kind, with the window of a sliding-window layer."""
+    return [f"{kind} (window {layout.layers[i].window})" if kind == "sliding_attention" else kind
+            for i, kind in enumerate(layout.layer_types)]
+
+
+def _runs(kinds: list[str]) -> list[tuple[int, int, str]]:
+    """Consecutive layers of one kind as (first, last, kind)."""
+    runs: list[tuple[int, int, str]] = []
+    for index, kind in enumerate(kinds):
+        if runs and runs[-1][2] == kind:
+            runs[-1] = (runs[-1][0], index, kind)
+        else:
+            runs.append((index, index, kind))
+    return runs
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"

@@ -99,14 +99,16 @@ def test_inspect_shows_layers_heads_positions_and_kv_bytes(packaged):
     assert f"{published['heads']} query, {published['kv_heads']} key-value" in text
     assert f"head dim         {published['head_dim']}" in text
     assert f"max positions    {published['positions']}" in text
-    # keys and values of every layer in float32 (Gemma's sliding layers counted as full ones, as model_info counts
-    # them: each holds at most 512 tokens)
-    kv = published["layers"] * 2 * published["kv_heads"] * published["head_dim"] * 4
-    assert f"KV cache         {kv:,} bytes per token" in text
+    # keys and values in float32 of every layer whose cache grows (Gemma's 15 sliding layers hold 512 tokens each)
+    growing = 3 if alias == "gemma3-270m" else 24
+    kv = growing * 2 * published["kv_heads"] * published["head_dim"] * 4
+    assert f"KV cache         {kv:,} bytes per token" in text and f"{growing} layer(s) whose cache grows" in text
     if alias == "gemma3-270m":
-        assert (text.count("sliding_attention"), text.count("full_attention")) == (15, 3)
+        window = 15 * 512 * 2 * published["kv_heads"] * published["head_dim"] * 4
+        assert f"sliding windows  15 layers hold {window / 2**20:.2f} MiB per sequence" in text
+        assert "    0-4  sliding_attention (window 512)\n      5  full_attention" in text
     else:
-        assert text.count("full_attention") == 24
+        assert "   0-23  full_attention" in text
 
 
 def test_the_command_line_help_names_every_alias():

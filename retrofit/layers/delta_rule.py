@@ -209,6 +209,14 @@ class DeltaRuleAttention(nn.Module):
         y = causal_conv1d_update(qkv[:, 0], conv_state, conv.weight.to(qkv.dtype), conv.bias.to(qkv.dtype), "silu")
         return y[:, None]
 
+    def state_bytes(self, batch: int = 1) -> int:
+        """Bytes this layer's cache holds per ``batch`` sequences, whatever their length: the float32 recurrent
+        state ``[H_kv, head_dim, head_dim]`` and the conv state ``[(H_q + 2 H_kv) head_dim, conv_size - 1]``."""
+        element = self.q_proj.weight.element_size()
+        recurrent = self.num_kv_heads * self.head_dim * self.head_dim * 4
+        conv = self.conv.channels * (self.conv.width - 1) * element
+        return batch * (recurrent + conv)
+
     def extra_repr(self) -> str:
         return (f"kind={self.layer_kind}, layer_idx={self.layer_idx}, heads={self.num_heads}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
