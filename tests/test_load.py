@@ -164,7 +164,7 @@ def test_inspect_reports_layout():
     assert "9 query, 3 key-value" in result.output
     # 30 layers x 2 (K and V) x 3 kv heads x 64 dims x 4 bytes
     assert f"{30 * 2 * 3 * 64 * 4:,} bytes per token" in result.output
-    assert "   0-29  full_attention" in result.output and "30 layer(s) whose cache grows" in result.output
+    assert "  0-29  full_attention" in result.output and "30 layer(s) whose cache grows" in result.output
 
 
 def test_generate_chat_answers_paris():
