@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python -m pytest -q -m gpu tests/test_architecture_generation.py tests/kernel_ops/test_sparse_decode.py \
   -k "cuda or bf16_gpu" 2>&1 | tee "$OUT/gpu_tests.log"
-for model in llama3-8b qwen2.5-7b; do
+for model in ${MODELS:-llama3-8b qwen2.5-7b}; do
   for kind in gdn kda; do
     python benchmarks/distill_step.py --device cuda --model "$model" --layer-type "$kind" --windows 1024,4096,8192 \
       --batch-size 8 --grad-accum 2 --warmup 2 --steps "$STEPS" --json "$OUT/distill_${model}_${kind}.json" \
