@@ -41,11 +41,11 @@ LLAMA_LIKE = dict(decode_fusion=True)
 
 _add(Architecture("llama", biases=_both("attention_bias"), **LLAMA_LIKE))
 _add(Architecture("mistral", biases=_none, **LLAMA_LIKE))
-_add(Architecture("mixtral", biases=_none, mlp_projections=(), notes="experts left untouched"))
+_add(Architecture("mixtral", biases=_none, mlp_projections=(), experts=True, notes="experts left untouched"))
 _add(Architecture("qwen2", biases=lambda config: (True, False), **LLAMA_LIKE))
 _add(Architecture("qwen3", biases=_both("attention_bias"), qk_norm=QKNorm("head")))
 _add(Architecture("qwen3_moe", biases=_both("attention_bias"), qk_norm=QKNorm("head"), mlp_projections=(),
-                  notes="experts left untouched"))
+                  experts=True, notes="experts left untouched"))
 _add(Architecture("gemma", biases=_both("attention_bias"), norm="rms_unit_offset"))
 _add(Architecture("gemma2", biases=_both("attention_bias"), norm="rms_unit_offset", scaling=_query_pre_attn_scalar,
                   softcap=lambda config: getattr(config, "attn_logit_softcapping", None),
@@ -95,5 +95,5 @@ _add(Architecture("gpt2", decoder="transformer.h", attention="attn", final_norm=
                   / ((index + 1) if config.scale_attn_by_inverse_layer_idx else 1),
                   norm="layer", mlp_projections=("c_fc", "c_proj")))
 _add(Architecture("qwen3_next", biases=_both("attention_bias"), qk_norm=QKNorm("head", unit_offset=True),
-                  mlp_projections=(), already_hybrid=True,
+                  mlp_projections=(), experts=True, already_hybrid=True,
                   notes="linear-attention layers native; sparse decoding applies to its softmax layers"))

@@ -69,7 +69,9 @@ class QKNorm:
 @dataclass(frozen=True)
 class Architecture:
     """The attention of one model family (see the module docstring). Paths are attribute paths from the causal LM
-    (``decoder``, ``final_norm``, ``lm_head``) or from a decoder block (``attention``, ``mlp``)."""
+    (``decoder``, ``final_norm``, ``lm_head``) or from a decoder block (``attention``, ``mlp``). ``experts``: the MLP
+    is a mixture of experts, whose routing transformers runs with host-side bookkeeping (a decode step of it cannot
+    be captured as a CUDA graph)."""
 
     model_type: str
     decoder: str = "model.layers"
@@ -93,6 +95,7 @@ class Architecture:
     norm: str = "rms"
     parallel_block: ConfigRule = lambda config: False
     decode_fusion: bool = False
+    experts: bool = False
     conversion_refused_with: tuple[str, str] | None = None
     already_hybrid: bool = False
     notes: str = ""

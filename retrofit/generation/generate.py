@@ -19,9 +19,15 @@ from retrofit.sparse.patch import active_session
 
 def graphs_wanted(generation: StaticGeneration, cuda_graph: bool | None) -> bool:
     """Whether the decode step is captured: on CUDA by default, unless the sparse method's step cannot be (its
-    selection runs on the host); ``cuda_graph=True`` off CUDA or with such a method is a RetrofitError."""
+    selection runs on the host) or the model's MLP is a mixture of experts (transformers routes tokens with host-side
+    bookkeeping: its architecture record's ``experts``); ``cuda_graph=True`` off CUDA or with such a step is a
+    RetrofitError."""
     session = generation.session
-    capturable = session is None or session.method.capturable
+    experts = generation.layout.architecture.experts
+    if cuda_graph and experts:
+        raise RetrofitError(f"{generation.layout.architecture.model_type}'s mixture of experts routes tokens on the "
+                            "host: its decode step cannot be captured as a CUDA graph (cuda_graph=False runs it eagerly)")
+    capturable = (session is None or session.method.capturable) and not experts
     on_cuda = generation.device.type == "cuda"
     if cuda_graph is None:
         return on_cuda and capturable
