@@ -1,22 +1,25 @@
 """How q, k and v come out of an attention module's projections: separate matrices, or one fused matrix whose rows
 hold them in a family-specific order. Each layout splits the module's weights into q, k, v as ``[out, in]`` weights
-and biases (:class:`retrofit.architecture.record.Weight`), which is what conversion copies into a linear layer."""
+and biases (:class:`Weight`), which is what conversion copies into a linear layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from retrofit.architecture.record import Weight
+
+@dataclass(frozen=True)
+class Weight:
+    """A projection as ``weight [out, in]`` and ``bias [out]`` (or None)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
 
 def linear_weight(module: nn.Module) -> "Weight":
     """A projection module as ``Weight(weight [out, in], bias [out] | None)``: ``nn.Linear`` (and subclasses) as is,
     transformers' ``Conv1D`` (GPT-2, which stores ``[in, out]``) transposed (a view)."""
-    from retrofit.architecture.record import Weight
-
     if isinstance(module, nn.Linear):
         return Weight(module.weight, module.bias)
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
@@ -25,15 +28,11 @@ def linear_weight(module: nn.Module) -> "Weight":
 
 
 def _rows(weight: "Weight", start: int, stop: int) -> "Weight":
-    from retrofit.architecture.record import Weight
-
     return Weight(weight.weight[start:stop], None if weight.bias is None else weight.bias[start:stop])
 
 
 def _regrouped(weight: "Weight", shape: tuple[int, ...], pick) -> "Weight":
     """Rows of ``weight`` viewed as ``shape + (in,)``, the rows that ``pick`` selects, flattened back to 2-D."""
-    from retrofit.architecture.record import Weight
-
     w = pick(weight.weight.reshape(*shape, weight.weight.shape[-1])).reshape(-1, weight.weight.shape[-1])
     b = None if weight.bias is None else pick(weight.bias.reshape(*shape)).reshape(-1)
     return Weight(w, b)
@@ -137,8 +136,6 @@ class PerGroup(QKVLayout):
 
 def contiguous(weight: "Weight") -> "Weight":
     """The same weight and bias as contiguous tensors (copies where they are strided views)."""
-    from retrofit.architecture.record import Weight
-
     return Weight(weight.weight.contiguous(), None if weight.bias is None else weight.bias.contiguous())
 
 

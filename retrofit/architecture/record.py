@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from retrofit.architecture.layouts import QKVLayout, Separate, linear_weight
+from retrofit.architecture.layouts import QKVLayout, Separate, Weight, linear_weight
 
 Config = Any
 ConfigRule = Callable[[Config], Any]
@@ -223,14 +223,6 @@ class Architecture:
             if getattr(config, flag, False):
                 return f"{reason} ({flag} is set)"
         return None
-
-
-@dataclass(frozen=True)
-class Weight:
-    """A projection as ``weight [out, in]`` and ``bias [out]`` (or None)."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
