@@ -4,7 +4,7 @@ its weights load; adding one is a record here plus a row in the contract tests' 
 """
 from __future__ import annotations
 
-from retrofit.architecture.layouts import PerGroup, PerHead, Separate, Stacked
+from retrofit.architecture.layouts import PerGroup, PerHead, Stacked
 from retrofit.architecture.record import Architecture, QKNorm, inverse_sqrt
 from retrofit.registry import Registry
 
