@@ -59,7 +59,9 @@ class SparseSession:
 
     def new_cache(self, capacity: int | None = None) -> SparseCache:
         """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``); with ``capacity`` a
-        static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses)."""
+        static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses). The session
+        lets go of its previous cache first, so that the two are never held at once."""
+        self.cache = None
         return SparseCache(self.config, self.method, list(self.layers), self.num_layers, capacity)
 
     def maintain(self, cache: SparseCache, written: int) -> None:
