@@ -135,6 +135,31 @@ def test_bench_out_of_memory_outside_a_point_is_one_line(tmp_path):
     assert not out.exists() and "Traceback" not in result.output
 
 
+def test_loading_a_model_that_does_not_fit_is_one_line_and_not_a_damaged_checkpoint():
+    """An allocation refused while the weights load reads as out of memory (what to try: a smaller dtype, another
+    device), not as "cannot load the model" (which says the checkpoint is at fault)."""
+    import importlib
+
+    loading = importlib.import_module("retrofit.load")  # the module (``retrofit.load`` is also the function)
+    with allocations_capped_in(loading, "_load_resolved", limit=0):
+        result = run("inspect", "smollm2-135m", "--device", "cpu")
+    assert_one_line_error(result, "out of memory on cpu (tried to allocate ", ") while loading smollm2-135m: try "
+                          "--dtype bfloat16 or another --device")
+
+
+def test_a_command_that_does_not_name_its_work_still_says_it_in_one_line(calib_data_dir):
+    """select does not name its scoring: the command group's line names the command and its own advice."""
+    import retrofit.convert.selection
+
+    with allocations_capped_in(retrofit.convert.selection, "rank_layers", limit=0):
+        result = run("select", "smollm2-135m", "--fraction", "0.25", "--data", str(calib_data_dir / "walden.txt"),
+                     "--seq-len", "128", "--align-steps", "1", "--batch-size", "8", "--probe-windows", "1",
+                     "--retrieval-probes", "1", "--probe-context", "512", "--quiet", "--device", "cpu")
+    assert_one_line_error(result, "out of memory on cpu (tried to allocate ", ") while running retrofit select: try "
+                          "a smaller --batch-size, a shorter --seq-len or --probe-context, or another --device")
+    assert "Traceback" not in result.output
+
+
 CONVERT = ("smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--layers", "22", "--tokens", "512", "--seq-len",
            "32", "--batch-size", "2", "--stage1-fraction", "0.5", "--checkpoint-every", "2", "--no-report", "--quiet")
 
