@@ -111,7 +111,7 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--batch-size", "batch_size", default="auto", show_default=True,
               help="Rows per forward / generate call, or auto: per variant, task and context length the largest "
                    "batch that fits (halved and the task run again if the device runs out of memory; the table's "
-                   "last row says what it chose).")
+                   "last row says what it chose). With --report: the conversion report's 8 unless given.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", default=None,
               help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA; float32 with --report]")
@@ -135,8 +135,9 @@ def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | N
                  samples_path: Path | None) -> None:
     from retrofit.atomic import write_json
     from retrofit.devices import default_dtype
+    from retrofit.cliargs import given
     from retrofit.eval.batching import parse_batch_size
-    from retrofit.eval.conversion_report import REPORT_DTYPE
+    from retrofit.eval.conversion_report import REPORT_DTYPE, ReportSettings
     from retrofit.eval.runner import run_eval, write_samples
     from retrofit.eval.table import markdown_table
     from retrofit.eval.tasks import EvalSettings, build_jobs
@@ -144,13 +145,15 @@ def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | N
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
-    batch_size = parse_batch_size(batch_size)
     if report:
         tasks, context_length, num_seeds = report_options(click.get_current_context(), data_dir, seq_len,
                                                           context_length, num_seeds)
+        if not given(click.get_current_context(), "batch_size"):  # the conversion report's: its numbers again
+            batch_size = str(ReportSettings.batch_size)
     elif tasks is None:
         raise RetrofitError("name the tasks with --tasks (see retrofit eval --help), or --report for the conversion "
                             "report's")
+    batch_size = parse_batch_size(batch_size)
     if haystack is not None and not haystack.is_file():
         raise RetrofitError(f"haystack file not found: {haystack}")
     settings = EvalSettings(data_dir=data_dir, limit=limit, seq_len=seq_len,
