@@ -13,21 +13,57 @@ MODEL_HELP = ("A local model directory, a .gguf file, a hub id (org/name), or an
               "gemma3-270m (fetched once; `retrofit inspect ALIAS` names its licence).")
 
 
+# What to try when a command runs out of memory (its line names the device and the allocation that failed).
+OUT_OF_MEMORY_ADVICE = {
+    "eval": "--batch-size auto (or a smaller --batch-size), fewer --num-seeds or --limit, a shorter --context-length, "
+            "or another --device",
+    "generate": "a shorter --prompt, fewer --max-new-tokens, --dtype bfloat16, or another --device",
+    "bench": "a smaller --batch, a shorter --context, --dtype bfloat16, --layers N, or another --device",
+    "convert": "a smaller --batch-size (a larger --grad-accum keeps the tokens per step), a shorter --seq-len, "
+               "--checkpoint-activations-from, or another --device",
+    "select": "a smaller --batch-size, a shorter --seq-len or --probe-context, or another --device",
+    "gates": "a shorter --seq-len, fewer --queries, --dtype bfloat16, or another --device",
+    "lm-eval": "a smaller --batch_size (or auto), --limit, or another --device",
+}
+DEFAULT_OUT_OF_MEMORY_ADVICE = "a smaller setting or another --device"
+
+
 class RetrofitGroup(click.Group):
     """Bad input of any kind ends in one line on stderr and exit code 2: a :class:`RetrofitError` (retrofit's own
-    checks) and click's usage errors (a missing or malformed option) alike."""
+    checks), click's usage errors (a missing or malformed option), and running out of memory (a setting too large
+    for the device: the line names the device, the work and what to try; :mod:`retrofit.memory`) alike."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except RetrofitError as err:
-            click.echo(f"retrofit: error: {err}", err=True)
-            ctx.exit(2)
         except click.UsageError as err:
             command = err.ctx.command_path if err.ctx is not None else ctx.command_path
             message = " ".join(err.format_message().split())
             click.echo(f"retrofit: error: {message} (see: {command} --help)", err=True)
             ctx.exit(err.exit_code)
+        except Exception as err:  # noqa: BLE001 - re-raised unless it is bad input or out of memory
+            failure = self._one_line(ctx, err)
+            if failure is None:
+                raise
+        click.echo(f"retrofit: error: {failure}", err=True)  # outside the except: the failed work is freed first
+        ctx.exit(2)
+
+    @staticmethod
+    def _one_line(ctx: click.Context, err: Exception) -> Exception | None:
+        """The error to print in one line: a RetrofitError as it is (an :class:`OutOfMemory` given the command's
+        advice if it has none), any other out-of-memory error as an OutOfMemory naming the command; else None."""
+        from retrofit.memory import OutOfMemory, is_out_of_memory, out_of_memory
+
+        command = ctx.invoked_subcommand
+        advice = OUT_OF_MEMORY_ADVICE.get(command, DEFAULT_OUT_OF_MEMORY_ADVICE)
+        if isinstance(err, OutOfMemory):
+            err.advice = err.advice or advice
+            return err
+        if isinstance(err, RetrofitError):
+            return err
+        if is_out_of_memory(err):
+            return out_of_memory(err, f"running retrofit {command}", advice)
+        return None
 
 
 @click.group(cls=RetrofitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -92,6 +128,7 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 
     from retrofit.generation import SamplingOptions, stream_generate
     from retrofit.load import load
+    from retrofit.memory import reported
     from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding
 
     # bad options fail before the model is loaded
@@ -121,7 +158,8 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
         raise RetrofitError(f"{model} has no chat template: drop --chat and give a prompt to continue")
     patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
     started = time.perf_counter()
-    with patch:
+    what = f"generating {max_new_tokens} tokens" + (f" with {sparse_method}@{budget}" if sparse_method else "")
+    with reported(what, device=next(loaded.parameters()).device), patch:
         new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
                                      out=sys.stdout, **sampling)
     seconds = time.perf_counter() - started

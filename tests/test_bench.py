@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from retrofit._entry import cli_module
 from retrofit.bench.configs import build_random_model
 from retrofit.bench.measure import measure_point, run_bench
-from retrofit.bench.memory import MemoryProbe, tensor_bytes
+from retrofit.bench.memory import tensor_bytes
+from retrofit.memory import MemoryProbe
 from retrofit.errors import RetrofitError
 from retrofit.variants import Variant, parse_variant_spec
 

@@ -89,6 +89,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.cliargs import parse_lengths
     from retrofit.devices import default_dtype, parse_device, parse_dtype
     from retrofit.load import ALIASES, load
+    from retrofit.memory import reported
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
@@ -110,7 +111,9 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
             variant.describe(skeleton)
         check_lengths(skeleton, context_list, decode_tokens)
         check_fits(skeleton, torch_device, torch_dtype)
-        model, tokenizer = build_random_model(model_or_config, torch_dtype, torch_device, layers), None
+        with reported(f"building {model_or_config} with random weights", device=torch_device,
+                      advice="--dtype bfloat16, --layers N, or another --device"):
+            model, tokenizer = build_random_model(model_or_config, torch_dtype, torch_device, layers), None
         source = f"config {model_or_config} (random weights)"
     else:
         if layers is not None:
@@ -119,7 +122,8 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
                 and model_or_config not in ALIASES:  # a bare name is meant as a config: no 30 s of hub retries
             raise RetrofitError(MODEL_CONFIGS.unknown_message(model_or_config)
                                 + "; or a model directory, a .gguf file, or a hub id org/name")
-        model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
+        with reported(f"loading {model_or_config}", advice="--dtype bfloat16 or another --device", device=torch_device):
+            model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
         source = model_or_config
     build_seconds = time.perf_counter() - built
     details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run

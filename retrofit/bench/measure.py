@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from retrofit.bench.floor import floor_seconds
-from retrofit.bench.memory import MemoryProbe, tensor_bytes
+from retrofit.bench.memory import tensor_bytes
+from retrofit.memory import MemoryProbe, allocation_detail, is_out_of_memory, release_memory
 
 ENGINES = ("retrofit", "retrofit-unfused", "transformers", "transformers-compile")
 
@@ -202,7 +203,7 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
         for _ in range(warmup + (1 if engine == "transformers-compile" else 0)):  # compiling is not timed
             timed()
     except Exception as error:  # noqa: BLE001 - transformers' compiled path fails on models it does not support
-        if engine != "transformers-compile":
+        if engine != "transformers-compile" or is_out_of_memory(error):
             raise
         first = (str(error).strip().splitlines() or [""])[0][:120]
         return failed_point(variant, context, batch, decode_tokens,
@@ -226,6 +227,9 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
                        captured=samples[-1].captured)
     del samples, cache
     return point
+
+
+OUT_OF_MEMORY = "out of memory"  # how a point that did not fit begins its error
 
 
 def failed_point(variant: str, context: int, batch: int, decode_tokens: int, error: str,
@@ -263,9 +267,7 @@ def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int
 
     for variant in [dense(), *variants]:
         _measure_variant(model, variant, tokenizer, contexts, batches, decode_tokens, device, settings, record)
-        gc.collect()  # the variant's model is unreachable once _measure_variant returned
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)  # the variant's model is unreachable once _measure_variant returned
     return points
 
 
@@ -277,11 +279,10 @@ def _measure_variant(model, variant, tokenizer, contexts: list[int], batches: li
             for batch in batches:
                 try:
                     point = measure_point(measured, variant.name, context, batch, decode_tokens, **settings)
-                except torch.OutOfMemoryError as error:
+                except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+                    if not is_out_of_memory(error):
+                        raise
                     point = failed_point(variant.name, context, batch, decode_tokens,
-                                         f"out of memory: {str(error).splitlines()[0][:120]}", settings["engine"])
-                finally:
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                                         f"{OUT_OF_MEMORY} ({allocation_detail(error)[1]})", settings["engine"])
+                release_memory(device)  # what the point held (or the failed attempt) is unreachable by now
                 record(point)

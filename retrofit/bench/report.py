@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from retrofit.bench.measure import BenchPoint
+from retrofit.bench.measure import OUT_OF_MEMORY, BenchPoint
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -45,6 +45,36 @@ def fusion_note(coverage: dict) -> str:
         line += (f"; sliding-window layers {_layer_list(coverage['sliding'])} run their own attention over a ring "
                  "where the window is shorter than the cache")
     return line + "."
+
+
+def out_of_memory_notes(points: list[BenchPoint]) -> list[str]:
+    """One line per variant, engine and context at which a batch ran out of memory, saying what did fit, as
+    measured in this run: the largest batch at that context, else the longest context at the smallest batch that
+    failed there, else that nothing fit."""
+    notes = []
+    failed: dict[tuple[str, str, int], list[int]] = {}
+    for point in points:
+        if point.error and point.error.startswith(OUT_OF_MEMORY):
+            failed.setdefault((point.variant, point.engine, point.context), []).append(point.batch)
+    fitted = [p for p in points if not p.error]
+    for (variant, engine, context), batches in failed.items():
+        head = (f"{variant} ({engine}) at {_context(context)}: batch {', '.join(map(str, sorted(batches)))} ran out of "
+                "memory")
+        same_length = [p for p in fitted if (p.variant, p.engine, p.context) == (variant, engine, context)]
+        smaller = [p for p in fitted if (p.variant, p.engine) == (variant, engine) and p.batch <= min(batches)]
+        if same_length:
+            best = max(same_length, key=lambda p: p.batch)
+            notes.append(f"{head}; batch {best.batch} fit (peak {best.peak_bytes / GIB:.2f} GiB): run --batch "
+                         f"{best.batch} at this length, or another --device.")
+        elif smaller:
+            best = max(smaller, key=lambda p: (p.context, p.batch))
+            notes.append(f"{head}; {_context(best.context)} fit at batch {best.batch} (peak "
+                         f"{best.peak_bytes / GIB:.2f} GiB): try --batch 1, a shorter --context, --dtype bfloat16 or "
+                         "another --device.")
+        else:
+            notes.append(f"{head}, and no point of it fit: try --batch 1, a shorter --context, --dtype bfloat16, "
+                         "--layers N or another --device.")
+    return notes
 
 
 def _layer_list(indices: list[int]) -> str:
@@ -97,4 +127,5 @@ def markdown_table(points: list[BenchPoint], notes: list[str] | None = None, ban
         lines.append("retrieval: its decode step is not captured (the faiss search runs on the host): per sparse layer "
                      "and step the query is copied to the host (a device synchronisation) and the hits back.")
     lines.extend(notes or [])
+    lines.extend(out_of_memory_notes(points))
     return "\n".join(lines)

@@ -85,6 +85,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     import time
 
     from retrofit.convert.distill import TrainingPaused
+    from retrofit.memory import is_out_of_memory, out_of_memory
     from retrofit.convert.parts import PartsSoFar, parts_so_far, process_peak_memory, record_parts
     from retrofit.devices import is_first_process
     from retrofit.convert.pipeline import convert, plan
@@ -103,6 +104,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
         return
     start = time.time()
     earlier = parts_so_far(out) if resume and out else PartsSoFar()
+    failure = None
     try:
         path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
@@ -112,6 +114,14 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
             record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
+    except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+        if not is_out_of_memory(error):
+            raise
+        failure = out_of_memory(error, "converting")
+    if failure is not None:  # outside the except: what the failed step held is free by now
+        if is_first_process():
+            record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
+        raise stopped_out_of_memory(failure, out)
     if is_first_process():
         import json
 
@@ -124,6 +134,27 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                    f"{section['distillation'].get('tokens')} | {parts.seconds / 60:.1f} | "
                    f"{parts.peak_memory_bytes / 2 ** 30:.2f} |")
         click.echo(f"peak memory: {parts.peak_memory_measure}")
+
+
+def stopped_out_of_memory(failure, out):
+    """``failure`` (an :class:`~retrofit.memory.OutOfMemory` of a conversion to ``out``) told with what survives:
+    the last training checkpoint, which ``--resume`` continues from, or that there is none yet."""
+    from pathlib import Path
+
+    from retrofit.convert.checkpoint import saved_position, work_dir_for
+
+    work_dir = work_dir_for(out)
+    position = saved_position(work_dir)
+    if position is None:
+        failure.what = f"converting to {Path(out)} (no training checkpoint was written yet: a rerun starts over)"
+    else:
+        stage, step = position
+        failure.what = (f"converting to {Path(out)}; its last checkpoint (stage {stage}, step {step}) is kept in "
+                        f"{work_dir}, and the same command with --resume continues from it")
+    failure.advice = ("--resume where more memory is free, or start over with a smaller --batch-size (a larger "
+                      "--grad-accum keeps the tokens per step), a shorter --seq-len, --checkpoint-activations-from, "
+                      "or another --device")
+    return failure
 
 
 SELECT_EXAMPLES = """

@@ -58,9 +58,9 @@ def device_memory_of(device: torch.device) -> int | None:
     """Bytes of memory the device has: a CUDA device's total, or the host's available memory; None when unknown."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    from retrofit.devices import available_host_memory
+    from retrofit.memory import available_bytes
 
-    return available_host_memory()
+    return available_bytes(device)
 
 
 @dataclass(frozen=True)

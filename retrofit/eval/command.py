@@ -108,7 +108,10 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
               help="Seeds seed..seed+N-1: items pooled into score; score_sd = sample SD of the per-seed scores.")
 @click.option("--haystack", type=click.Path(path_type=Path), default=None,
               help="Text file whose sentences replace the noise haystack of the synthetic tasks.")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Rows per forward / generate call.")
+@click.option("--batch-size", "batch_size", default="auto", show_default=True,
+              help="Rows per forward / generate call, or auto: per variant, task and context length the largest "
+                   "batch that fits (halved and the task run again if the device runs out of memory; the table's "
+                   "last row says what it chose). With --report: the conversion report's 8 unless given.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", default=None,
               help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA; float32 with --report]")
@@ -126,13 +129,15 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
               help="Write one JSON line per variant, task and item here (inputs, per-item scores, outputs).")
 def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | None, task_files: tuple[str, ...],
                  limit: int | None, seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,
-                 batch_size: int, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
+                 batch_size: str, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
                  budgets: tuple[int, ...], sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...],
                  variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None,
                  samples_path: Path | None) -> None:
     from retrofit.atomic import write_json
     from retrofit.devices import default_dtype
-    from retrofit.eval.conversion_report import REPORT_DTYPE
+    from retrofit.cliargs import given
+    from retrofit.eval.batching import parse_batch_size
+    from retrofit.eval.conversion_report import REPORT_DTYPE, ReportSettings
     from retrofit.eval.runner import run_eval, write_samples
     from retrofit.eval.table import markdown_table
     from retrofit.eval.tasks import EvalSettings, build_jobs
@@ -140,14 +145,15 @@ def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | N
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
-    if batch_size <= 0:
-        raise RetrofitError(f"--batch-size must be positive, got {batch_size}")
     if report:
         tasks, context_length, num_seeds = report_options(click.get_current_context(), data_dir, seq_len,
                                                           context_length, num_seeds)
+        if not given(click.get_current_context(), "batch_size"):  # the conversion report's: its numbers again
+            batch_size = str(ReportSettings.batch_size)
     elif tasks is None:
         raise RetrofitError("name the tasks with --tasks (see retrofit eval --help), or --report for the conversion "
                             "report's")
+    batch_size = parse_batch_size(batch_size)
     if haystack is not None and not haystack.is_file():
         raise RetrofitError(f"haystack file not found: {haystack}")
     settings = EvalSettings(data_dir=data_dir, limit=limit, seq_len=seq_len,

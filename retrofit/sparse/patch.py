@@ -63,7 +63,9 @@ class SparseSession:
     def new_cache(self, capacity: int | None = None) -> SparseCache:
         """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``); with ``capacity`` a
         static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses; the layers
-        the method leaves are the engine's own, :func:`retrofit.static_cache.static_layers`)."""
+        the method leaves are the engine's own, :func:`retrofit.static_cache.static_layers`). The session lets go of
+        its previous cache first, so that the two are never held at once."""
+        self.cache = None
         base = static_layers(self.model, capacity) if capacity is not None else None
         return SparseCache(self.config, self.method, list(self.layers), self.num_layers, capacity, base)
 
