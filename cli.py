@@ -104,8 +104,9 @@ def inspect(model: str, device: str, dtype: str) -> None:
                    + MODEL_HELP + "\n\n\b\nExamples:\n  retrofit generate smollm2-135m --chat --prompt "
                    "\"What is the capital of France?\"\n  retrofit generate smollm2-135m --prompt \"Once upon a time\" "
                    "--temperature 0.8 --top-p 0.95 --seed 1\n  retrofit generate smollm2-135m --prompt \"...\" "
-                   "--sparse quest --budget 1024",
-              short_help="Generate text (dense, hybrid or sparse decoding).")
+                   "--sparse quest --budget 1024\n  retrofit generate smollm2-135m --prompt \"...\" --prefill xattention "
+                   "--prefill-arg threshold=0.9",
+              short_help="Generate text (dense, hybrid, sparse prefill or sparse decoding).")
 @click.argument("model")
 @click.option("--prompt", required=True, help="The text to continue (or the user message with --chat).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -120,16 +121,23 @@ def inspect(model: str, device: str, dtype: str) -> None:
 @click.option("--budget", default=2048, show_default=True, type=int, help="Tokens read per KV head per step (--sparse).")
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="K=V",
               help="A method parameter, e.g. page_size=16 or gate_path=runs/smol.gates. Repeatable.")
+@click.option("--prefill", "prefill_method", default=None,
+              help="Sparse prefill method: xattention or vertical_slash (default: dense prefill); with --sparse, "
+                   "both in one session.")
+@click.option("--prefill-arg", "prefill_args", multiple=True, metavar="K=V",
+              help="A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024. Repeatable.")
 @model_options
 def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, top_p: float | None,
-             seed: int | None, sparse_method: str | None, budget: int, sparse_args: tuple[str, ...], device: str,
-             dtype: str) -> None:
+             seed: int | None, sparse_method: str | None, budget: int, sparse_args: tuple[str, ...],
+             prefill_method: str | None, prefill_args: tuple[str, ...], device: str, dtype: str) -> None:
     from contextlib import nullcontext
 
     from retrofit.generation import SamplingOptions, stream_generate
     from retrofit.load import load
+    from retrofit.cliargs import parse_pairs
     from retrofit.memory import reported
-    from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding
+    from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding, sparse_prefill
+    from retrofit.sparse.prefill import build_prefill_method
 
     # bad options fail before the model is loaded
     refuse_without(click.get_current_context(), {"budget": (sparse_method is not None, "--sparse METHOD")})
@@ -153,10 +161,22 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
     params = parse_sparse_args(sparse_args) if sparse_method else {}
     if sparse_method:
         build_method(sparse_method, budget, **{k: v for k, v in params.items() if k not in ("layers", "kernel")})
+    if prefill_args and not prefill_method:
+        raise RetrofitError("--prefill-arg needs --prefill METHOD")
+    prefill_params = parse_pairs(prefill_args, "--prefill-arg")
+    if prefill_method:
+        build_prefill_method(prefill_method,
+                             **{key: value for key, value in prefill_params.items() if key not in ("layers", "kernel")})
     loaded, tokenizer = load(model, dtype=dtype, device=device)
     if chat and not getattr(tokenizer, "chat_template", None):
         raise RetrofitError(f"{model} has no chat template: drop --chat and give a prompt to continue")
-    patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
+    if sparse_method:
+        prefill = {"prefill": prefill_method, "prefill_args": prefill_params} if prefill_method else {}
+        patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **prefill, **params)
+    elif prefill_method:
+        patch = sparse_prefill(loaded, method=prefill_method, **prefill_params)
+    else:
+        patch = nullcontext()
     started = time.perf_counter()
     what = f"generating {max_new_tokens} tokens" + (f" with {sparse_method}@{budget}" if sparse_method else "")
     with reported(what, device=next(loaded.parameters()).device), patch:
