@@ -41,13 +41,17 @@ def _refuse_what_the_family_cannot_take(config, spec) -> None:
 
 def _refuse_layer_options_the_family_cannot_take(spec, config) -> None:
     """``use_rope`` rotates q and k as Llama does (halves, on the family's rotary channels): refused in one line for a
-    family that rotates adjacent pairs or leaves some layers unrotated."""
+    family that rotates adjacent pairs or leaves some layers unrotated. A softmax ``window`` rotates its q and k as
+    the replaced layer did, by halves too: refused for a family that rotates adjacent pairs."""
     from retrofit import architecture
 
-    if not spec.use_rope:
-        return
     arch = architecture.of(config)
     text = architecture.text_config(config)
+    if spec.window and arch.rotary_interleaved:
+        raise RetrofitError(f"layer_spec window: {arch.model_type} rotates q and k by adjacent pairs, which the "
+                            "window inside a converted layer does not reproduce; convert without window")
+    if not spec.use_rope:
+        return
     if arch.rotary_interleaved or any(layer.rotary_dims == 0 for layer in arch.layers(text)):
         raise RetrofitError(f"layer_spec use_rope: {arch.model_type} rotates q and k in a way converted layers do not "
                             "(adjacent pairs, or some layers without rotation); convert without use_rope")
