@@ -266,7 +266,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
     from retrofit.convert.build import to_hybrid
-    from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
+    from retrofit.convert.selection import choose, explain_choice, parse_layer_spec, rank_layers, ranking_table
     from retrofit.hybrid import HybridSection, save_hybrid
     from retrofit.model_info import attention_layout, max_model_length
 
@@ -302,12 +302,14 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
         else:
             ranking = rank_layers(dense, tokenizer, windows, data, kind, select, device=torch_device,
                                   show_progress=show_progress and rank == 0)
-            chosen = choose(ranking.scores, parsed.fraction, layout.num_layers)
+            chosen = choose(ranking.scores, parsed.fraction, layout.num_layers, select.max_run)
             if rank == 0:
                 save_selection(work_dir, scored_from, chosen)
                 if show_progress:
                     print(ranking_table(ranking.scores, chosen))
                     print(ranking.summary())
+                    print(explain_choice(ranking.scores, chosen, layout.num_layers, select.retrieval_weight,
+                                         select.copy_weight, parsed.fraction, select.max_run))
     else:
         chosen = list(parsed.indices)
     import torch.distributed as dist
