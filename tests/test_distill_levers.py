@@ -167,7 +167,7 @@ def test_norms_and_whole_converted_blocks_train_on_the_students_own_copies(smoll
                        share_weights=True, layer_dtype=torch.float32)
     config = DistillConfig(tokens=2 * 4 * 16, seq_len=16, batch_size=4, stage1_fraction=0.5, lora_rank=4,
                            lora_alpha=8, lora_targets="attention,mlp,norms", finetune_converted_blocks=True,
-                           lr_lora=1e-3, checkpoint_every=0, seed=1)
+                           lr_whole=1e-3, checkpoint_every=0, seed=1)
     seen = {}
 
     def inspect(stage, step):

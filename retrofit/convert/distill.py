@@ -411,11 +411,13 @@ class Distiller:
         for parameter in trained_whole:
             parameter.requires_grad_(True)
         new_params = [p for layer in self.converted_layers().values() for p in layer.parameters()]
-        new_ids = {id(p) for p in new_params}
-        lora_params = [p for p in model.parameters() if p.requires_grad and id(p) not in new_ids]
+        known = {id(p) for p in new_params} | {id(p) for p in trained_whole}
+        lora_params = [p for p in model.parameters() if p.requires_grad and id(p) not in known]
         param_groups = [{"params": new_params, "lr": self.config.lr_stage2}]
-        if lora_params:  # LoRA adapters, and the weights trained whole on the student's own copies
+        if lora_params:
             param_groups.append({"params": lora_params, "lr": self.config.lr_lora})
+        if trained_whole:  # norms and whole converted blocks, on the student's own copies
+            param_groups.append({"params": trained_whole, "lr": self.config.lr_whole})
         first = min(self.layers)
         cosine = self.config.hidden_cosine_weight > 0
 

@@ -258,6 +258,12 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
             dist.destroy_process_group()  # the group this call started (left open at exit, NCCL warns of a leak)
 
 
+def _mean_of_last(losses: list[float], count: int) -> float | None:
+    """The mean of the last ``count`` step losses (None without any): steadier than the last step's alone."""
+    tail = losses[-count:]
+    return sum(tail) / len(tail) if tail else None
+
+
 def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config, spec, torch_device, out, resume,
                     overwrite, show_progress, on_step, deadline) -> Path:
     """The conversion once the model is loaded. ``config``: the settings as given (what the checkpoint fingerprint
@@ -334,6 +340,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
                             "tokens_trained": distiller.plan.tokens_trained,
                             "final_loss_stage1": (distiller.history["stage1"] or [None])[-1],
                             "final_loss_stage2": (distiller.history["stage2"] or [None])[-1],
+                            "mean_loss_stage2_last20": _mean_of_last(distiller.history["stage2"], 20),
                             "settings": config.to_dict()}
     model.config.retrofit = section.to_dict()
     if rank == 0:

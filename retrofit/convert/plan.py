@@ -37,14 +37,17 @@ class DistillConfig:
         lr_stage1: learning rate of the new layers in stage 1.
         lr_stage2: learning rate of the new layers in stage 2.
         lr_lora: learning rate of the LoRA adapters in stage 2.
+        lr_whole: learning rate in stage 2 of the weights trained whole besides the converted attention (``norms``
+            in ``lora_targets``, ``finetune_converted_blocks``): pretrained weights changed directly, so well under
+            LoRA's rate.
         lora_rank: LoRA rank (0 = no LoRA: stage 2 trains the new layers only).
         lora_alpha: LoRA alpha.
         lora_targets: comma list of ``attention`` (LoRA on q/k/v/o of the layers kept dense), ``mlp`` (LoRA on
             gate/up/down) and ``norms`` (the decoder blocks' norms and the final norm, from the first converted
             layer on: their weights are vectors, with no low-rank form, so they train whole, on the student's own
-            float32 copies, at ``lr_lora``).
+            float32 copies, at ``lr_whole``).
         finetune_converted_blocks: stage 2 trains the converted layers' whole decoder blocks (MLP and norms) on the
-            student's own float32 copies at ``lr_lora``, instead of LoRA on their MLP (the converted attention
+            student's own float32 copies at ``lr_whole``, instead of LoRA on their MLP (the converted attention
             trains in full either way). More trained parameters (SmolLM2-135M: 2.65M per block) for the blocks
             whose attention changed most.
         stage1_target: what stage 1 aligns: ``attention`` (each converted attention's output to the dense
@@ -84,6 +87,7 @@ class DistillConfig:
     lr_stage1: float = 1e-3
     lr_stage2: float = 3e-4
     lr_lora: float = 1e-4
+    lr_whole: float = 5e-5
     lora_rank: int = 16
     lora_alpha: int = 32
     lora_targets: str = "attention,mlp"
@@ -109,7 +113,7 @@ class DistillConfig:
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("lr_stage1", "lr_stage2", "lr_lora", "temperature"):
+        for name in ("lr_stage1", "lr_stage2", "lr_lora", "lr_whole", "temperature"):
             if float(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_copy_settings(self.copy_share, self.copy_span)
