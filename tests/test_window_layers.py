@@ -306,3 +306,19 @@ def test_the_ring_is_counted_in_the_layers_fixed_bytes(smollm2):
 def test_bad_window_settings_name_the_field(values, message):
     with pytest.raises(ValueError, match=message):
         LinearAttentionSpec(**values)
+
+
+def test_beam_search_moves_the_rings_rows_with_the_states():
+    """Beam search reorders the cache's rows at every step: with the cache it gives the tokens it gives without one
+    (every step recomputed from the whole sequence), so each ring row followed its beam. Zoo Llama, layers 0 and 2
+    windowed (8 tokens, 2 sinks), prompts of 40 tokens, 4 beams."""
+    dense = zoo.build("llama").eval()
+    hybrid = to_hybrid(dense, HybridSection(layers=[0, 2], layer_type="kda", base_model_type="llama",
+                                            layer_spec={"window": 8, "sink_tokens": 2}))
+    ids = torch.randint(3, zoo.VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=10, min_new_tokens=10, num_beams=4, do_sample=False, eos_token_id=None,
+                   pad_token_id=0)
+    with torch.no_grad():
+        cached = hybrid.generate(input_ids=ids, **options)
+        recomputed = hybrid.generate(input_ids=ids, use_cache=False, **options)
+    assert torch.equal(cached, recomputed)
