@@ -163,6 +163,7 @@ Examples:
   retrofit select smollm2-135m --fraction 0.25 --data ../shared/data/calib
   retrofit select smollm2-135m --fraction 0.5 --data calib/ --probe-context 2048,4096 --retrieval-weight 2
   retrofit select smollm2-135m --fraction 0.25 --data calib/ --retrieval-weight 0 --retrieval-probes 0   # KL only
+  retrofit select smollm2-135m --fraction 0.75 --data calib/ --copy-weight 0.5 --max-run 3   # a quarter softmax
 """
 
 
@@ -189,14 +190,16 @@ Examples:
               help="Context lengths of the needle probes in tokens, comma-separated (e.g. 2048,4096).")
 @click.option("--seed", type=int, default=SelectSettings.seed, show_default=True,
               help="Seed of the needle probes (haystacks, numbers, depths).")
+@click.option("--max-run", type=int, default=SelectSettings.max_run, show_default=True,
+              help="At most this many converted layers in a row (0: no bound): the cheapest such set is chosen.")
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows,
-                   retrieval_weight, copy_weight, retrieval_probes, probe_context, seed, device, quiet):
+                   retrieval_weight, copy_weight, retrieval_probes, probe_context, seed, max_run, device, quiet):
     """Rank MODEL's layers by the cost of converting each one (short-window KL and long-context retrieval), print
     the ranking, the chosen --layers and what the scoring cost (seconds, peak memory)."""
     from retrofit.convert.data import token_windows
-    from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
+    from retrofit.convert.selection import choose, explain_choice, parse_layer_spec, rank_layers, ranking_table
     from retrofit.devices import parse_device
     from retrofit.layers import LAYER_TYPES
     from retrofit.load import load
@@ -209,7 +212,7 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     settings = SelectSettings(align_steps=align_steps, batch_size=batch_size, probe_windows=probe_windows,
                               retrieval_weight=retrieval_weight, copy_weight=copy_weight,
                               retrieval_probes=retrieval_probes,
-                              probe_context=probe_context, seed=seed)
+                              probe_context=probe_context, seed=seed, max_run=max_run)
     torch_device = parse_device(device)
     dense, tokenizer = load(model, dtype="float32", device=torch_device)
     layout = attention_layout(dense)
@@ -218,9 +221,11 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     windows = token_windows(tokenizer, list(data), count, seq_len, show_progress=not quiet)
     ranking = rank_layers(dense, tokenizer, windows, list(data), to, settings, device=torch_device,
                           show_progress=not quiet)
-    chosen = choose(ranking.scores, fraction, layout.num_layers)
+    chosen = choose(ranking.scores, fraction, layout.num_layers, max_run)
     click.echo(ranking_table(ranking.scores, chosen))
     click.echo(f"\n{ranking.summary()}")
+    click.echo(explain_choice(ranking.scores, chosen, layout.num_layers, retrieval_weight, copy_weight, fraction,
+                              max_run))
     click.echo(f"\n--layers {','.join(map(str, chosen))}")
 
 
