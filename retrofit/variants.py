@@ -179,12 +179,12 @@ def convert(layer_type: str, layers: str) -> Variant:
         raise RetrofitError(f"--variant {name}: {error}") from None
 
     def converted_layers(model) -> list[int]:
-        from retrofit.convert.selection import parse_layer_spec
+        from retrofit.convert.selection import parse_layer_spec, sliding_layers_of
         from retrofit.hybrid import check_base_type
 
         try:
             check_base_type(model.config.model_type)
-            parsed = parse_layer_spec(layers, model.config.num_hidden_layers)
+            parsed = parse_layer_spec(layers, model.config.num_hidden_layers, sliding_layers_of(model.config))
         except RetrofitError as error:
             raise RetrofitError(f"--variant {name}: {error}") from None
         if parsed.needs_scoring:

@@ -112,3 +112,24 @@ def test_what_cannot_be_converted_is_refused_in_one_line(case, calib_data_dir, t
                  "--out", str(tmp_path / "out"), "--tokens", "512", "--no-report")
     assert_one_line_error(result, expected)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "cohere2", "mistral-window64", "llama"])
+def test_layers_sliding_names_the_sliding_window_layers(name):
+    from retrofit.convert.selection import parse_layer_spec, sliding_layers_of
+    from retrofit.errors import RetrofitError
+    from retrofit.model_info import attention_layout
+
+    config = zoo.BY_NAME[name].config()
+    expected = attention_layout(zoo.build(name)).sliding_layers  # the layers the model runs with a window
+    if not expected:
+        with pytest.raises(RetrofitError, match="no sliding-window attention layers"):
+            parse_layer_spec("sliding", config.num_hidden_layers, sliding_layers_of(config))
+        return
+    if len(expected) == config.num_hidden_layers:  # Mistral: every layer slides, and one must stay softmax
+        with pytest.raises(RetrofitError, match="keep at least one softmax"):
+            parse_layer_spec("sliding", config.num_hidden_layers, sliding_layers_of(config))
+        return
+    assert list(parse_layer_spec("sliding", config.num_hidden_layers, sliding_layers_of(config)).indices) == expected
+    complement = parse_layer_spec("not:sliding", config.num_hidden_layers, sliding_layers_of(config)).indices
+    assert sorted(set(complement) | set(expected)) == list(range(config.num_hidden_layers))

@@ -23,7 +23,7 @@ Variants (dense always runs first, each variant after it; one model on the devic
   --hybrid DIR                                                (repeatable)
   --variant convert:KIND:LAYERS                               (repeatable)
       converts the benched model in memory (no checkpoint, no distillation: for speed and memory only):
-      KIND gdn or kda; LAYERS 0,2,4 | 3-6 | every:K[:OFFSET] | not:SPEC (every layer SPEC leaves out),
+      KIND gdn or kda; LAYERS 0,2,4 | 3-6 | every:K[:OFFSET] | sliding | not:SPEC (every layer SPEC leaves out),
       e.g. convert:gdn:not:every:4 = 3 of 4 layers GDN, every 4th layer (3, 7, ...) softmax.
       Weights other than the new layers are shared with the dense model, and freed after the variant.
 \b

@@ -31,7 +31,8 @@ def _required_unless_dry_run(ctx: click.Context, param: click.Parameter, value):
 @click.argument("model")
 @click.option("--to", "to", default=None, help="Layer type of the converted layers: gdn (Gated DeltaNet) or kda.")
 @click.option("--layers", default=None,
-              help="Which layers: 0,2,4 | 3-6 | every:K[:OFFSET] (layers K-1, 2K-1, ...) | fraction:F (scored).")
+              help="Which layers: 0,2,4 | 3-6 | every:K[:OFFSET] (layers K-1, 2K-1, ...) | sliding (the "
+                   "sliding-window layers) | fraction:F (scored).")
 @click.option("--data", multiple=True, help="Calibration text file or folder (repeatable).")
 @click.option("--tokens", type=int, default=None, help="Calibration token budget (both stages together).")
 @click.option("--out", type=click.Path(), callback=lambda ctx, param, value: _required_unless_dry_run(ctx, param, value),

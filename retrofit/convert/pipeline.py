@@ -128,11 +128,11 @@ def _memory_plan(model_config, settings: dict, kind: str, spec, config, device: 
                  device_memory: int | None, world: int):
     """The memory plan (:func:`retrofit.convert.memory.plan_memory`) of this run's layers and settings."""
     from retrofit.convert.memory import device_memory_of, plan_memory
-    from retrofit.convert.selection import layer_count, parse_layer_spec
+    from retrofit.convert.selection import layer_count, parse_layer_spec, sliding_layers_of
 
     text = model_config.get_text_config(decoder=True)
     num_layers = int(text.num_hidden_layers)
-    parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), num_layers)
+    parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), num_layers, sliding_layers_of(model_config))
     if device_memory is None and (device.type != "cuda" or torch.cuda.is_available()):
         device_memory = device_memory_of(device)
     return plan_memory(model_config, None if parsed.needs_scoring else list(parsed.indices), kind, spec, config,
@@ -278,7 +278,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
 
     rank, world = distributed()
     layout = attention_layout(dense)
-    parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), layout.num_layers)
+    parsed = parse_layer_spec(str(settings.get("layers") or "every:4"), layout.num_layers, tuple(layout.sliding_layers))
     plan = Plan.from_config(config, world)
     select = settings["select"]
     extra = select.align_steps * select.batch_size + select.probe_windows if parsed.needs_scoring else 0

@@ -57,9 +57,13 @@ class LayerSpec:
         return self.kind == "fraction"
 
 
-def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
-    """Parse ``0,2,4`` / ``3-6`` / ``every:K[:OFFSET]`` / ``not:SPEC`` / ``fraction:F``, raising RetrofitError on
-    bad input.
+def parse_layer_spec(spec: str, num_layers: int, sliding: tuple[int, ...] = ()) -> LayerSpec:
+    """Parse ``0,2,4`` / ``3-6`` / ``every:K[:OFFSET]`` / ``sliding`` / ``not:SPEC`` / ``fraction:F``, raising
+    RetrofitError on bad input.
+
+    ``sliding`` converts the model's sliding-window layers (``sliding``: their indices, :func:`sliding_layers_of`),
+    the natural first candidates of Gemma 2/3 and Cohere2: their softmax already forgets past its window, and the
+    global layers that keep the far context stay softmax.
 
     ``every:K`` converts layers K-1, 2K-1, ... (every K-th layer counting from 1, so layer 0 stays dense);
     ``every:K:OFFSET`` starts at OFFSET instead. ``not:SPEC`` converts every layer that the list or ``every`` SPEC
@@ -67,19 +71,24 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     At least one softmax attention layer must remain: transformers' decoder (masks, generation) reads the sequence
     length from an attention layer of the cache.
     """
-    parsed = _parse_layer_spec(spec, num_layers)
+    parsed = _parse_layer_spec(spec, num_layers, tuple(sliding))
     if len(parsed.indices) >= num_layers:
         raise RetrofitError(f"--layers {spec!r} converts all {num_layers} layers: keep at least one softmax attention "
                             "layer (transformers reads the sequence length from one)")
     return parsed
 
 
-def _parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
+def _parse_layer_spec(spec: str, num_layers: int, sliding: tuple[int, ...]) -> LayerSpec:
     text = str(spec).strip().replace(" ", "")
     if not text:
         raise RetrofitError("--layers is empty; use e.g. 0,2,4 or every:4 or not:every:4 or fraction:0.5")
     if text.startswith("not:"):
-        return _complement(spec, text[len("not:"):], num_layers)
+        return _complement(spec, text[len("not:"):], num_layers, sliding)
+    if text == "sliding":
+        if not sliding:
+            raise RetrofitError(f"--layers {spec!r}: the model has no sliding-window attention layers; name the "
+                                "layers (0,2,4, every:K) or a scored fraction:F")
+        return LayerSpec("explicit", tuple(sorted(sliding)))
     if text.startswith("every:"):
         parts = text.split(":")
         try:
@@ -101,8 +110,8 @@ def _parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
             raise RetrofitError(f"bad --layers {spec!r}: the fraction must be in (0, 1]")
         return LayerSpec("fraction", fraction=fraction)
     if not re.fullmatch(r"[0-9,\-]+", text):
-        raise RetrofitError(f"bad --layers {spec!r}: use a list like 0,2,4 (ranges 3-6 allowed), every:K, not:SPEC "
-                            "or fraction:F")
+        raise RetrofitError(f"bad --layers {spec!r}: use a list like 0,2,4 (ranges 3-6 allowed), every:K, sliding, "
+                            "not:SPEC or fraction:F")
     indices: list[int] = []
     for part in filter(None, text.split(",")):
         if "-" in part:
@@ -120,17 +129,25 @@ def _parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     return LayerSpec("explicit", tuple(sorted(set(indices))))
 
 
-def _complement(spec: str, inner: str, num_layers: int) -> LayerSpec:
+def _complement(spec: str, inner: str, num_layers: int, sliding: tuple[int, ...]) -> LayerSpec:
     """``not:INNER``: the layers of ``0..num_layers-1`` that the list or ``every`` spec INNER leaves out."""
     if not inner:
         raise RetrofitError(f"bad --layers {spec!r}: expected not:SPEC, e.g. not:every:4 or not:0,5")
     if inner.startswith(("not:", "fraction:")):
         raise RetrofitError(f"bad --layers {spec!r}: in not:SPEC, SPEC must be a list or every:K, got {inner!r}")
-    excluded = set(_parse_layer_spec(inner, num_layers).indices)
+    excluded = set(_parse_layer_spec(inner, num_layers, sliding).indices)
     kept = tuple(i for i in range(num_layers) if i not in excluded)
     if not kept:
         raise RetrofitError(f"bad --layers {spec!r}: it leaves no layer to convert (the model has {num_layers})")
     return LayerSpec("complement", kept)
+
+
+def sliding_layers_of(config) -> tuple[int, ...]:
+    """Indices of the sliding-window softmax layers of a model's config, as its family's record describes them."""
+    from retrofit import architecture
+
+    text = architecture.text_config(config)
+    return tuple(layer.index for layer in architecture.of(config).layers(text) if layer.window is not None)
 
 
 def layer_count(fraction: float, num_layers: int) -> int:
