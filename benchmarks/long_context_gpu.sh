@@ -22,11 +22,16 @@ dense)
   ;;
 sparse)
   alias=${2:?ALIAS}; calib=${3:?CALIB_DIR}; seeds=${4:-1}
-  retrofit gates "$alias" --data "$calib" --tokens 3145728 --seq-len 8192 --min-seq-len 2048 --block-size 64 \
-    --queries 64 --out "$out/gates_$alias.pt" --device cuda --dtype bfloat16 2>&1 | tail -3
-  retrofit eval "$alias" --tasks passkey,niah_single,niah_multikey --context-length 8k,16k,32k --num-seeds "$seeds" \
-    --sparse streaming --sparse quest --sparse clusterkv --sparse retrieval --sparse seer \
-    --sparse-arg gate_path="$out/gates_$alias.pt" --budget 1024 --budget 2048 --device cuda --dtype bfloat16 \
+  methods=(--sparse streaming --sparse quest --sparse clusterkv --sparse retrieval)
+  if retrofit gates "$alias" --data "$calib" --tokens "${GATE_TOKENS:-3145728}" --seq-len 8192 --min-seq-len 2048 \
+      --block-size 64 --queries 64 --out "$out/gates_$alias.pt" --device cuda --dtype bfloat16 2>&1 | tail -3 \
+      && [ -f "$out/gates_$alias.pt" ]; then
+    methods+=(--sparse seer --sparse-arg gate_path="$out/gates_$alias.pt")
+  else
+    echo "long_context_gpu.sh: no gates for $alias: SeerAttention left out" >&2
+  fi
+  retrofit eval "$alias" --tasks passkey,niah_single,niah_multikey --context-length "${CONTEXTS:-8k,16k,32k}" \
+    --num-seeds "$seeds" "${methods[@]}" --budget 1024 --budget 2048 --device cuda --dtype bfloat16 \
     --json "$out/sparse_$alias.json" 2>&1 | tee "$out/sparse_$alias.md"
   ;;
 bench)
