@@ -1,6 +1,7 @@
 """The `retrofit` command line: convert, generate, eval, bench, inspect, ... (installed as ``retrofit.commands.cli``)."""
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 
@@ -13,9 +14,47 @@ MODEL_HELP = ("A local model directory, a .gguf file, a hub id (org/name), or an
               "gemma3-270m (fetched once; `retrofit inspect ALIAS` names its licence).")
 
 
+# The commands that live beside their feature: name -> (module, command object, the line `retrofit --help` lists).
+# A command's module is imported only when that command runs or shows its own help, so that `retrofit --help`,
+# `retrofit --version` and the commands defined here import no model library before they need one.
+COMMANDS = {
+    "bench": ("retrofit.bench.command", "bench_command", "Latency, tokens/s and memory vs context length."),
+    "convert": ("retrofit.eval.convert_command", "convert_command",
+                "Convert layers to GDN/KDA, distil, save; then dense vs hybrid on held-out data."),
+    "eval": ("retrofit.eval.command", "eval_command", "Accuracy of dense vs variants (ppl, multiple choice, RULER-style)."),
+    "gates": ("retrofit.sparse.methods.seer.command", "gates_command",
+              "Train SeerAttention's decode gates for a frozen model."),
+    "lm-eval": ("retrofit.harness.command", "lm_eval_command",
+                "lm-evaluation-harness with retrofit models (sparse, hybrid) and local tasks."),
+    "lm-eval-task": ("retrofit.harness.command", "lm_eval_task_command",
+                     "Write a synthetic long-context task for lm-eval (--include_path)."),
+    "select": ("retrofit.convert.command", "select_command", "Rank a model's layers by the cost of converting each."),
+}
+
+
 class RetrofitGroup(click.Group):
     """Bad input of any kind ends in one line on stderr and exit code 2: a :class:`RetrofitError` (retrofit's own
-    checks) and click's usage errors (a missing or malformed option) alike."""
+    checks) and click's usage errors (a missing or malformed option) alike. The commands of :data:`COMMANDS` are
+    imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMANDS:
+            module, attribute, short_help = COMMANDS[name]
+            command = getattr(importlib.import_module(module), attribute)
+            command.short_help = short_help
+            self.add_command(command, name)
+        return self.commands.get(name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list of ``--help``, without importing the commands of :data:`COMMANDS`."""
+        limit = formatter.width - 6 - max(len(name) for name in self.list_commands(ctx))
+        rows = [(name, self.commands[name].get_short_help_str(limit) if name in self.commands else COMMANDS[name][2])
+                for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -126,16 +165,3 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
                                      out=sys.stdout, **sampling)
     seconds = time.perf_counter() - started
     click.echo(f"\n[{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s]", err=True)
-
-
-# Commands that live beside their feature register here, once they work.
-from retrofit.bench.command import bench_command  # noqa: E402
-from retrofit.convert.command import select_command  # noqa: E402
-from retrofit.eval.command import eval_command  # noqa: E402
-from retrofit.eval.convert_command import convert_command  # noqa: E402  (the conversion, then its report)
-from retrofit.harness.command import lm_eval_command, lm_eval_task_command  # noqa: E402
-from retrofit.sparse.methods.seer.command import gates_command  # noqa: E402
-
-for _command in (convert_command, select_command, eval_command, bench_command, gates_command, lm_eval_command,
-                 lm_eval_task_command):
-    main.add_command(_command)

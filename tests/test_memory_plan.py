@@ -25,7 +25,7 @@ def run_cli():
     from retrofit._entry import cli_module
 
     cli = cli_module()
-    group = cli.RetrofitGroup(commands={"convert": cli.main.commands["convert"]})
+    group = cli.RetrofitGroup(commands={"convert": cli.main.get_command(None, "convert")})
 
     def run(*args):
         return CliRunner().invoke(group, ["convert", *map(str, args)])

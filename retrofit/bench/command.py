@@ -53,7 +53,7 @@ Examples:
 """
 
 
-@click.command("bench", help=BENCH_HELP, short_help="Latency, tokens/s and memory vs context length.")
+@click.command("bench", help=BENCH_HELP)
 @click.argument("model_or_config")
 @click.option("--context", "contexts", default="1k,4k,16k", show_default=True,
               help="Comma-separated prompt lengths in tokens (1k = 1024).")

@@ -90,7 +90,7 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
     return {name: Path(path) for name, path in files.items()}
 
 
-@click.command("eval", help=EVAL_HELP, short_help="Accuracy of dense vs variants (ppl, multiple choice, RULER-style).")
+@click.command("eval", help=EVAL_HELP)
 @click.argument("model")
 @click.option("--tasks", "tasks", default=None, help="Comma-separated task names (see above).")
 @click.option("--report", "report", is_flag=True,

@@ -115,5 +115,4 @@ def _convert_then_report(**values) -> None:
 
 convert_command = click.Command(
     "convert", params=[*conversion_command.params, *REPORT_OPTIONS], callback=_convert_then_report,
-    help=f"{conversion_command.help}\n\n{REPORT_HELP}", epilog=CONVERT_EXAMPLES,
-    short_help="Convert layers to GDN/KDA, distil, save; then dense vs hybrid on held-out data.")
+    help=f"{conversion_command.help}\n\n{REPORT_HELP}", epilog=CONVERT_EXAMPLES)

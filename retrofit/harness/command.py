@@ -137,8 +137,7 @@ def run_lm_eval(argv: list[str]) -> None:
 
 
 @click.command("lm-eval", help=LM_EVAL_HELP, add_help_option=False,
-               context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-               short_help="lm-evaluation-harness with retrofit models (sparse, hybrid) and local tasks.")
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
@@ -149,7 +148,7 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
     run_lm_eval(list(args))
 
 
-@click.command("lm-eval-task", short_help="Write a synthetic long-context task for lm-eval (--include_path).",
+@click.command("lm-eval-task",
                help="Write the long-context synthetic TASK (passkey, niah_single, niah_multikey, niah_multivalue, vt, "
                     "cwe, fwe) as lm-eval tasks, one per --context-length: OUT/retrofit_TASK_LENGTH.jsonl (the "
                     "prompts of `retrofit eval`, rendered with MODEL's tokenizer and chat template) and its YAML. "
