@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
+from pathlib import Path
 
 import click
 
@@ -21,7 +21,8 @@ COMMANDS = {
     "bench": ("retrofit.bench.command", "bench_command", "Latency, tokens/s and memory vs context length."),
     "convert": ("retrofit.eval.convert_command", "convert_command",
                 "Convert layers to GDN/KDA, distil, save; then dense vs hybrid on held-out data."),
-    "eval": ("retrofit.eval.command", "eval_command", "Accuracy of dense vs variants (ppl, multiple choice, RULER-style)."),
+    "eval": ("retrofit.eval.command", "eval_command",
+             "Accuracy of dense vs variants (ppl, multiple choice, RULER-style)."),
     "gates": ("retrofit.sparse.methods.seer.command", "gates_command",
               "Train SeerAttention's decode gates for a frozen model."),
     "lm-eval": ("retrofit.harness.command", "lm_eval_command",
@@ -103,14 +104,19 @@ def inspect(model: str, device: str, dtype: str) -> None:
 
 
 @main.command(help="Generate from MODEL with retrofit's decode engine (static cache; on CUDA the decode step is "
-                   "replayed as a CUDA graph), streaming the text to stdout; tokens/s on stderr at the end.\n\nMODEL: "
+                   "replayed as a CUDA graph), streaming the text to stdout; on stderr at the end, the prefill (the "
+                   "prompt's tokens and their time to the first new token) and the decode steps after it, each with "
+                   "its tokens/s.\n\nMODEL: "
                    + MODEL_HELP + "\n\n\b\nExamples:\n  retrofit generate smollm2-135m --chat --prompt "
                    "\"What is the capital of France?\"\n  retrofit generate smollm2-135m --prompt \"Once upon a time\" "
                    "--temperature 0.8 --top-p 0.95 --seed 1\n  retrofit generate smollm2-135m --prompt \"...\" "
-                   "--sparse quest --budget 1024",
+                   "--sparse quest --budget 1024\n  retrofit generate qwen2.5-0.5b --prompt-file notes.txt "
+                   "--max-new-tokens 64",
               short_help="Generate text (dense, hybrid or sparse decoding).")
 @click.argument("model")
-@click.option("--prompt", required=True, help="The text to continue (or the user message with --chat).")
+@click.option("--prompt", default=None, help="The text to continue (or the user message with --chat).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Read the prompt from this UTF-8 text file instead of --prompt.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float,
@@ -124,9 +130,9 @@ def inspect(model: str, device: str, dtype: str) -> None:
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="K=V",
               help="A method parameter, e.g. page_size=16 or gate_path=runs/smol.gates. Repeatable.")
 @model_options
-def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, top_p: float | None,
-             seed: int | None, sparse_method: str | None, budget: int, sparse_args: tuple[str, ...], device: str,
-             dtype: str) -> None:
+def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: bool, max_new_tokens: int,
+             temperature: float, top_p: float | None, seed: int | None, sparse_method: str | None, budget: int,
+             sparse_args: tuple[str, ...], device: str, dtype: str) -> None:
     from contextlib import nullcontext
 
     from retrofit.generation import SamplingOptions, stream_generate
@@ -135,8 +141,13 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 
     # bad options fail before the model is loaded
     refuse_without(click.get_current_context(), {"budget": (sparse_method is not None, "--sparse METHOD")})
+    if (prompt is None) == (prompt_file is None):
+        raise RetrofitError("give the text to continue as --prompt TEXT or --prompt-file PATH (one of them)")
+    if prompt_file is not None:
+        prompt = prompt_file.read_text(encoding="utf-8")
     if not prompt.strip():
-        raise RetrofitError("--prompt is empty: give the text to continue")
+        raise RetrofitError(f"{'--prompt' if prompt_file is None else f'--prompt-file {prompt_file}'} is empty: "
+                            "give the text to continue")
     if max_new_tokens <= 0:
         raise RetrofitError(f"--max-new-tokens must be a positive number of tokens, got {max_new_tokens}")
     if temperature < 0:
@@ -159,9 +170,7 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
     if chat and not getattr(tokenizer, "chat_template", None):
         raise RetrofitError(f"{model} has no chat template: drop --chat and give a prompt to continue")
     patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
-    started = time.perf_counter()
     with patch:
-        new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
-                                     out=sys.stdout, **sampling)
-    seconds = time.perf_counter() - started
-    click.echo(f"\n[{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s]", err=True)
+        streamed = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
+                                   out=sys.stdout, **sampling)
+    click.echo(f"\n[{streamed.summary()}]", err=True)
