@@ -162,7 +162,8 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
 @click.option("--num-seeds", type=click.IntRange(min=1), default=1, show_default=True, help="Seeds seed..seed+N-1.")
 @click.option("--limit", "items_per_seed", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Items per seed (the needle depth sweeps 0-100% over them).")
+              help="Items per seed: the first N of `retrofit eval`'s (20 sweep the needle over 0-100% of the "
+                   "haystack; fewer spread over it).")
 @click.option("--haystack", type=click.Path(path_type=Path), default=None,
               help="Text file whose sentences replace the noise haystack.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Folder for the task files.")
