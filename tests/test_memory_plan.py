@@ -212,3 +212,28 @@ def test_a_run_over_its_device_memory_is_refused_before_the_model_loads(calib_da
         convert("smollm2-135m", recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], out=tmp_path / "o",
                 device="cpu", device_memory="1GiB", show_progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_conversion_prints_its_plan_before_it_trains(run_cli, calib_data_dir, tmp_path):
+    """Without --quiet, `retrofit convert` opens with the --dry-run table (what it will hold, decided before any
+    weight loads), then trains and ends with its summary."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_cli("smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--data", calib_data_dir / "walden.txt",
+                         "--tokens", "512", "--seq-len", "64", "--batch-size", "4", "--stage1-fraction", "0.5",
+                         "--checkpoint-every", "0", "--device", "cpu", "--no-report", "--out", tmp_path / "hybrid")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("memory plan: smollm2-135m, 2 of 30 layers to gdn (13,22; the student runs layers 13-29); "
+                        "1 process(es)")
+    dry_run = run_cli("smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--tokens", "512", "--seq-len", "64",
+                      "--batch-size", "4", "--stage1-fraction", "0.5", "--device", "cpu", "--dry-run")
+    plan_lines = dry_run.stdout.strip().splitlines()
+    # the very table --dry-run prints, but for the memory free on the CPU at the time (its last line)
+    assert lines[:len(plan_lines) - 1] == plan_lines[:-1] and lines[len(plan_lines) - 1].startswith("peak 1.13 GiB")
+    # peft's read of transformers' deprecated `is_gradient_checkpointing` (at LoRA's start) is not shown to users
+    assert not [warning for warning in caught if "is_gradient_checkpointing" in str(warning.message)]
+    assert lines.index("| hybrid | layer type | converted layers | tokens | minutes (all parts) | peak memory (GiB, "
+                       "the largest part's) |") > len(plan_lines)

@@ -103,6 +103,20 @@ def test_budget_covering_context_generates_dense_tokens(name, smollm2, dense_tok
 
 
 @pytest.mark.parametrize("name", METHODS.names())
+def test_forward_passes_without_a_cache_stay_dense_bit_for_bit(name, smollm2, seer_gates):
+    """What `retrofit eval` scores by forward passes alone (perplexity, multiple choice, LAMBADA) runs no decode step:
+    inside any method's session, at a budget far under the prompts, such a pass gives dense's logits bit for bit.
+    That is why eval takes dense's numbers for a sparse variant on those tasks instead of running them again."""
+    model, tokenizer = smollm2
+    inputs = _inputs(tokenizer, [LONG_PROMPT, SHORTER_PROMPT])
+    with torch.no_grad():
+        dense_logits = model(**inputs, use_cache=False).logits
+        with sparse_decoding(model, method=name, budget=16, **_params(name, SMALL, seer_gates)):
+            sparse_logits = model(**inputs, use_cache=False).logits
+    assert torch.equal(sparse_logits, dense_logits)
+
+
+@pytest.mark.parametrize("name", METHODS.names())
 def test_small_budget_reads_at_most_budget_keys(name, smollm2, seer_gates):
     model, tokenizer = smollm2
     inputs = _inputs(tokenizer, [LONG_PROMPT, SHORTER_PROMPT])

@@ -101,6 +101,9 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
             raise RetrofitError(memory_plan.refusal())
         click.echo(memory_plan.table())
         return
+    if not quiet and is_first_process():  # what the run will hold, before any weight loads (--dry-run's table)
+        click.echo(plan(model, to=to, layers=layers, tokens=tokens, recipe=recipe, device=device,
+                        device_memory=device_memory, **options).table() + "\n")
     start = time.time()
     earlier = parts_so_far(out) if resume and out else PartsSoFar()
     try:

@@ -103,6 +103,7 @@ def markdown_table(report: EvalReport) -> str:
     speed_cells = [f"{dense_speed:.1f}"]
     for variant in variants[1:]:
         speed = report.throughput[variant]["tokens_per_s"]
-        speed_cells.append(f"{speed:.1f} ({speed / dense_speed:.2f}x)")
+        speed_cells.append("- (no task of its own: = dense)" if math.isnan(speed)
+                           else f"{speed:.1f} ({speed / dense_speed:.2f}x)")
     lines.append("| tokens/s | " + " | ".join(speed_cells) + " |")
     return "\n".join(lines)
