@@ -31,6 +31,9 @@ def lm_eval(tmp_path: Path, *args: str) -> dict:
     completed = subprocess.run([str(RETROFIT), "lm-eval", *args, "--device", "cpu", "--output_path", str(out)],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3000)
     assert completed.returncode == 0, completed.stderr[-3000:]
+    # neither git's complaint outside a repository nor HFLM's about being handed a model object reaches the user
+    assert "fatal: not a git repository" not in completed.stderr
+    assert "is not of type `str`" not in completed.stderr
     (results,) = out.glob("*/results_*.json")
     return json.loads(results.read_text())
 

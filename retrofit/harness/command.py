@@ -129,11 +129,40 @@ def run_lm_eval(argv: list[str]) -> None:
     check_before_loading(args)
     setup_logging()
     try:
-        with included_tasks_only_when_they_hold_every_task(args):
+        with included_tasks_only_when_they_hold_every_task(args), git_hash_read_quietly():
             cli.execute(args)
     except (ValueError, KeyError, FileNotFoundError) as error:  # lm-eval's own refusals: unknown tasks, bad options
         message = " ".join(str(error).split()) or type(error).__name__
         raise RetrofitError(f"lm-eval: {message}") from None
+
+
+@contextmanager
+def git_hash_read_quietly():
+    """lm-eval records the git commit of the working directory by running ``git describe``, whose complaint outside
+    a repository ("fatal: not a git repository") reaches the user's terminal: while inside, the same read with git's
+    stderr discarded (the result, a hash or None, is lm-eval's)."""
+    import os
+    import subprocess
+
+    import lm_eval.evaluator as evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:  # an lm-eval that records no git hash this way
+        yield
+        return
+
+    def quiet_git_commit_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    evaluator.get_git_commit_hash = quiet_git_commit_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
 
 
 @click.command("lm-eval", help=LM_EVAL_HELP, add_help_option=False,
