@@ -33,10 +33,26 @@ COMMANDS = {
 }
 
 
+# What to try when a command runs out of memory (its line names the device and the allocation that failed).
+OUT_OF_MEMORY_ADVICE = {
+    "eval": "--batch-size auto (or a smaller --batch-size), fewer --num-seeds or --limit, a shorter --context-length, "
+            "or another --device",
+    "generate": "a shorter --prompt, fewer --max-new-tokens, --dtype bfloat16, or another --device",
+    "bench": "a smaller --batch, a shorter --context, --dtype bfloat16, --layers N, or another --device",
+    "convert": "a smaller --batch-size (a larger --grad-accum keeps the tokens per step), a shorter --seq-len, "
+               "--checkpoint-activations-from, or another --device",
+    "select": "a smaller --batch-size, a shorter --seq-len or --probe-context, or another --device",
+    "gates": "a shorter --seq-len, fewer --queries, --dtype bfloat16, or another --device",
+    "lm-eval": "a smaller --batch_size (or auto), --limit, or another --device",
+}
+DEFAULT_OUT_OF_MEMORY_ADVICE = "a smaller setting or another --device"
+
+
 class RetrofitGroup(click.Group):
     """Bad input of any kind ends in one line on stderr and exit code 2: a :class:`RetrofitError` (retrofit's own
-    checks) and click's usage errors (a missing or malformed option) alike. The commands of :data:`COMMANDS` are
-    imported on first use."""
+    checks), click's usage errors (a missing or malformed option), and running out of memory (a setting too large
+    for the device: the line names the device, the work and what to try; :mod:`retrofit.memory`) alike. The commands
+    of :data:`COMMANDS` are imported on first use."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *COMMANDS})
@@ -60,14 +76,34 @@ class RetrofitGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except RetrofitError as err:
-            click.echo(f"retrofit: error: {err}", err=True)
-            ctx.exit(2)
         except click.UsageError as err:
             command = err.ctx.command_path if err.ctx is not None else ctx.command_path
             message = " ".join(err.format_message().split())
             click.echo(f"retrofit: error: {message} (see: {command} --help)", err=True)
             ctx.exit(err.exit_code)
+        except Exception as err:  # noqa: BLE001 - re-raised unless it is bad input or out of memory
+            failure = self._one_line(ctx, err)
+            if failure is None:
+                raise
+        click.echo(f"retrofit: error: {failure}", err=True)  # outside the except: the failed work is freed first
+        ctx.exit(2)
+
+    @staticmethod
+    def _one_line(ctx: click.Context, err: Exception) -> Exception | None:
+        """The error to print in one line: a RetrofitError as it is (an :class:`OutOfMemory` given the command's
+        advice if it has none), any other out-of-memory error as an OutOfMemory naming the command; else None."""
+        from retrofit.memory import OutOfMemory, is_out_of_memory, out_of_memory
+
+        command = ctx.invoked_subcommand
+        advice = OUT_OF_MEMORY_ADVICE.get(command, DEFAULT_OUT_OF_MEMORY_ADVICE)
+        if isinstance(err, OutOfMemory):
+            err.advice = err.advice or advice
+            return err
+        if isinstance(err, RetrofitError):
+            return err
+        if is_out_of_memory(err):
+            return out_of_memory(err, f"running retrofit {command}", advice)
+        return None
 
 
 @click.group(cls=RetrofitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -110,9 +146,10 @@ def inspect(model: str, device: str, dtype: str) -> None:
                    + MODEL_HELP + "\n\n\b\nExamples:\n  retrofit generate smollm2-135m --chat --prompt "
                    "\"What is the capital of France?\"\n  retrofit generate smollm2-135m --prompt \"Once upon a time\" "
                    "--temperature 0.8 --top-p 0.95 --seed 1\n  retrofit generate smollm2-135m --prompt \"...\" "
-                   "--sparse quest --budget 1024\n  retrofit generate qwen2.5-0.5b --prompt-file notes.txt "
+                   "--sparse quest --budget 1024\n  retrofit generate smollm2-135m --prompt \"...\" --prefill xattention "
+                   "--prefill-arg threshold=0.9\n  retrofit generate qwen2.5-0.5b --prompt-file notes.txt "
                    "--max-new-tokens 64",
-              short_help="Generate text (dense, hybrid or sparse decoding).")
+              short_help="Generate text (dense, hybrid, sparse prefill or sparse decoding).")
 @click.argument("model")
 @click.option("--prompt", default=None, help="The text to continue (or the user message with --chat).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -129,15 +166,24 @@ def inspect(model: str, device: str, dtype: str) -> None:
 @click.option("--budget", default=2048, show_default=True, type=int, help="Tokens read per KV head per step (--sparse).")
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="K=V",
               help="A method parameter, e.g. page_size=16 or gate_path=runs/smol.gates. Repeatable.")
+@click.option("--prefill", "prefill_method", default=None,
+              help="Sparse prefill method: xattention or vertical_slash (default: dense prefill); with --sparse, "
+                   "both in one session.")
+@click.option("--prefill-arg", "prefill_args", multiple=True, metavar="K=V",
+              help="A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024. Repeatable.")
 @model_options
 def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: bool, max_new_tokens: int,
              temperature: float, top_p: float | None, seed: int | None, sparse_method: str | None, budget: int,
-             sparse_args: tuple[str, ...], device: str, dtype: str) -> None:
+             sparse_args: tuple[str, ...], prefill_method: str | None, prefill_args: tuple[str, ...], device: str,
+             dtype: str) -> None:
     from contextlib import nullcontext
 
     from retrofit.generation import SamplingOptions, stream_generate
     from retrofit.load import load
-    from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding
+    from retrofit.cliargs import parse_pairs
+    from retrofit.memory import reported
+    from retrofit.sparse import build_method, parse_sparse_args, sparse_decoding, sparse_prefill
+    from retrofit.sparse.prefill import build_prefill_method
 
     # bad options fail before the model is loaded
     refuse_without(click.get_current_context(), {"budget": (sparse_method is not None, "--sparse METHOD")})
@@ -166,11 +212,24 @@ def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: boo
     params = parse_sparse_args(sparse_args) if sparse_method else {}
     if sparse_method:
         build_method(sparse_method, budget, **{k: v for k, v in params.items() if k not in ("layers", "kernel")})
+    if prefill_args and not prefill_method:
+        raise RetrofitError("--prefill-arg needs --prefill METHOD")
+    prefill_params = parse_pairs(prefill_args, "--prefill-arg")
+    if prefill_method:
+        build_prefill_method(prefill_method,
+                             **{key: value for key, value in prefill_params.items() if key not in ("layers", "kernel")})
     loaded, tokenizer = load(model, dtype=dtype, device=device)
     if chat and not getattr(tokenizer, "chat_template", None):
         raise RetrofitError(f"{model} has no chat template: drop --chat and give a prompt to continue")
-    patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **params) if sparse_method else nullcontext()
-    with patch:
+    if sparse_method:
+        prefill = {"prefill": prefill_method, "prefill_args": prefill_params} if prefill_method else {}
+        patch = sparse_decoding(loaded, method=sparse_method, budget=budget, **prefill, **params)
+    elif prefill_method:
+        patch = sparse_prefill(loaded, method=prefill_method, **prefill_params)
+    else:
+        patch = nullcontext()
+    what = f"generating {max_new_tokens} tokens" + (f" with {sparse_method}@{budget}" if sparse_method else "")
+    with reported(what, device=next(loaded.parameters()).device), patch:
         streamed = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
                                    out=sys.stdout, **sampling)
     click.echo(f"\n[{streamed.summary()}]", err=True)

@@ -11,11 +11,15 @@
 # convert-report reports in the same command once every recipe has finished: a hybrid lives only as long as the
 # machine that made it, so a conversion sized to end well inside one call should be reported before the call ends.
 #
+# The model converted is each recipe's own (`model:`); the report evaluates the first recipe's, at the long-context
+# lengths REPORT_CONTEXTS (default 2k,4k,8k; 8k,16k,32k for Qwen2.5-0.5B's 32,768 positions).
+#
 # Hybrids and their training checkpoints go under runs/ (git-ignored: kept between calls while the machine stays
 # warm); logs and JSON go to $OUT (default ./out). A conversion that reaches MINUTES writes a checkpoint and exits 3;
 # the same command resumes it. A finished run is converted again only once moved away; one whose recipe has changed
 # since is named as such.
 set -uo pipefail
+command -v retrofit >/dev/null || retrofit() { python -m retrofit "$@"; }  # a GPU machine with the wheels, no entry point
 stage=${1:?convert|report}
 out=${OUT:-out}
 mkdir -p "$out" runs
@@ -34,6 +38,10 @@ progress_cut() {
     END { if (held != "") print held }'
 }
 
+recipe_model() {  # the model a recipe converts (its `model:` key, through its `base:` chain)
+  python -c "import sys; from retrofit.convert.recipe import load_recipe; print(load_recipe(sys.argv[1])['model'])" "$1"
+}
+
 case "$stage" in
 convert)
   minutes=${2:?MINUTES}; calib=${3:?CALIB_DIR}; shift 3
@@ -50,7 +58,7 @@ convert)
     [ -f "runs/$name.train/train_state.pt" ] && resume=(--resume)
     (
       start=$(date +%s)
-      retrofit convert smollm2-135m --recipe "$recipe" --data "$calib" --out "runs/$name" --device cuda \
+      retrofit convert "$(recipe_model "$recipe")" --recipe "$recipe" --data "$calib" --out "runs/$name" --device cuda \
         --no-report --max-minutes "$minutes" "${resume[@]}" 2>&1 | progress_cut >>"$out/convert_$name.log"
       code=${PIPESTATUS[0]}
       echo "convert $name exit $code after $(( $(date +%s) - start )) s" | tee -a "$out/convert_$name.log"
@@ -70,7 +78,8 @@ report)
     name=$(basename "$recipe" .yaml)
     if [ -f "runs/$name/config.json" ]; then hybrids+=(--hybrid "runs/$name"); else echo "$name: not finished"; fi
   done
-  retrofit eval smollm2-135m --report --data-dir "$evaldir" --num-seeds "$seeds" "${hybrids[@]}" --device cuda \
+  retrofit eval "$(recipe_model "$1")" --report --data-dir "$evaldir" --num-seeds "$seeds" "${hybrids[@]}" --device cuda \
+    --context-length "${REPORT_CONTEXTS:-2k,4k,8k}" \
     --batch-size 32 --json "$out/report.json" 2>&1 | progress_cut | grep -v "%|" | tee "$out/report.md"
   ;;
 convert-report)

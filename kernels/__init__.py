@@ -14,6 +14,8 @@ that the launch heuristics of several folders read.
 - ``causal_conv1d`` (prefill, differentiable) / ``causal_conv1d_update`` (decode): short causal depthwise conv.
 - ``naive_*``: the pure-PyTorch references the kernels are tested against.
 - ``sparse_decode``: one decode token's attention over selected cache blocks, block scoring, top-k.
+- ``sparse_prefill_attention``: a prefill chunk's causal attention over the key blocks selected per query block and
+  head (block-sparse prefill), ``sparse_prefill_attention_ref`` its reference.
 - ``rms_norm`` / ``add_rms_norm`` (RMSNorm, optionally after the residual add), ``silu_mul`` (the gated MLP's
   activation), ``rotary_qk`` / ``rotary_qk_into_cache`` (a decode token's rotary embedding, optionally writing k and v
   into a static cache): the fused pieces of a decoder layer's decode step, inference only.
@@ -45,6 +47,7 @@ if not installed_kernels_took_the_name(__name__):
     )
     from .rotary import rotary_qk, rotary_qk_into_cache, rotary_qk_into_cache_ref, rotary_qk_ref
     from .silu_mul import silu_mul, silu_mul_ref
+    from .sparse_prefill import sparse_prefill_attention, sparse_prefill_attention_ref
 
 __all__ = [
     "RecurrentDecodeGraph",
@@ -78,5 +81,7 @@ __all__ = [
     "sigmoid_gated_rms_norm_ref",
     "silu_mul",
     "silu_mul_ref",
+    "sparse_prefill_attention",
+    "sparse_prefill_attention_ref",
     "use_backend",
 ]

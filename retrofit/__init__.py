@@ -4,6 +4,8 @@
     ids = retrofit.generate(model, input_ids, attention_mask, max_new_tokens=64)   # static cache, sync-free steps
     with retrofit.sparse_decoding(model, method="quest", budget=1024):
         ids = retrofit.generate(model, input_ids, attention_mask, max_new_tokens=64)   # or model.generate(...)
+    with retrofit.sparse_prefill(model, method="xattention", threshold=0.9):      # block-sparse prefill
+        ids = retrofit.generate(model, input_ids, attention_mask, max_new_tokens=64)
 """
 from retrofit.after_import import when_imported as _when_imported
 from retrofit.errors import RetrofitError
@@ -35,7 +37,7 @@ _when_imported(_MODELING_AUTO, _register_hybrid_classes)
 _register_harness_model()
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "sparse_decoding", "RetrofitError", "__version__"]
+__all__ = ["load", "generate", "sparse_decoding", "sparse_prefill", "RetrofitError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -44,6 +46,10 @@ def __getattr__(name: str):
         from retrofit.sparse import sparse_decoding
 
         return sparse_decoding
+    if name == "sparse_prefill":
+        from retrofit.sparse import sparse_prefill
+
+        return sparse_prefill
     if name == "generate":
         from retrofit.generation import generate
 

@@ -66,15 +66,3 @@ def peak_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux counts KiB, macOS bytes
-
-
-def available_host_memory() -> int | None:
-    """Bytes of host memory available to a new allocation (``MemAvailable`` in ``/proc/meminfo``); None when unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

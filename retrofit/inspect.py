@@ -31,7 +31,8 @@ def describe(model: nn.Module, name: str = "model", licence: str | None = None) 
     if layout.sliding_layers:
         window_bytes = layout.window_bytes(element_bytes)
         count = len(layout.sliding_layers)
-        lines.append(f"sliding windows  {count} layer{'s' if count != 1 else ''} hold{'s' if count == 1 else ''} {window_bytes / 2**20:.2f} MiB per "
+        layers = f"{count} layer{'s' if count != 1 else ''} hold{'s' if count == 1 else ''}"
+        lines.append(f"sliding windows  {layers} {window_bytes / 2**20:.2f} MiB per "
                      "sequence at most, whatever the context")
     state = sum(module.state_bytes() for module in layout.attention_modules if hasattr(module, "state_bytes"))
     if state:

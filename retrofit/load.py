@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from retrofit.atomic import atomic_path
 from retrofit.errors import RetrofitError
 from retrofit.gguf_files import parsed_once
+from retrofit.memory import is_out_of_memory, reported
 from retrofit.model_files import check_model_dir, read_config
 
 if TYPE_CHECKING:
@@ -108,7 +109,8 @@ def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
 
     ``source``: a local Hugging Face model directory (dense, or a hybrid saved by ``retrofit convert``), a ``.gguf``
     file, a hub id (``org/name``; needs network), or an alias from :data:`ALIASES`. Raises :class:`RetrofitError` with a
-    one-line message on any bad input.
+    one-line message on any bad input, and :class:`~retrofit.memory.OutOfMemory` (one too) when the weights do not
+    fit.
     """
     from retrofit.devices import parse_device, parse_dtype  # torch: imported when a model is loaded, not before
 
@@ -119,9 +121,10 @@ def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
         path, gguf_file = reference_checkpoint(source), None
     else:
         path, gguf_file = _resolve_local_or_hub(source)
-    model, tokenizer = _load_resolved(source, path, gguf_file, torch_dtype)
-    _ensure_pad_token(tokenizer)
-    return model.to(torch_device).eval(), tokenizer
+    with reported(f"loading {source}", advice="--dtype bfloat16 or another --device", device=torch_device):
+        model, tokenizer = _load_resolved(source, path, gguf_file, torch_dtype)
+        _ensure_pad_token(tokenizer)
+        return model.to(torch_device).eval(), tokenizer
 
 
 def load_config(source: str | os.PathLike):
@@ -204,6 +207,8 @@ def _load_resolved(source: str, path: str, gguf_file: str | None, dtype: torch.d
         try:
             return load_hybrid(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+            if is_out_of_memory(err):  # not a damaged checkpoint: load() says what did not fit
+                raise
             raise RetrofitError(f"{source}: cannot load the hybrid checkpoint ({_first_line(err)})") from None
     with parsed_once() if gguf_file is not None else contextlib.nullcontext():
         return _load_checked(source, path, gguf_file, dtype, local)
@@ -220,6 +225,8 @@ def _load_checked(source: str, path: str, gguf_file: str | None, dtype: torch.dt
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, config=config, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        if is_out_of_memory(err):  # not a damaged checkpoint: load() says what did not fit
+            raise
         raise RetrofitError(f"{source}: cannot load the model ({_first_line(err)})") from None
     return model, tokenizer
 

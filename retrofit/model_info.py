@@ -44,7 +44,8 @@ class AttentionLayout:
         if not self.interfaced:
             import transformers
 
-            raise RetrofitError(f"{self.architecture.model_type}'s attention in transformers {transformers.__version__} "
+            family, release = self.architecture.model_type, transformers.__version__
+            raise RetrofitError(f"{family}'s attention in transformers {release} "
                                 f"is computed outside transformers' attention interface, which {purpose} needs; "
                                 "a newer transformers release routes it through the interface")
 

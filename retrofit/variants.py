@@ -2,15 +2,18 @@
 
 A :class:`Variant` has a ``name`` and ``open(model, tokenizer)``, a context manager yielding the model to
 evaluate (and undoing whatever it did on exit). Kinds are registered by name in :data:`VARIANT_KINDS` so later
-features plug in: ``dense`` (the model as given), ``sparse`` (``retrofit.sparse.sparse_decoding``), ``hybrid``
+features plug in: ``dense`` (the model as given), ``sparse`` (``retrofit.sparse.sparse_decoding``), ``prefill``
+(``retrofit.sparse.sparse_prefill``: block-sparse prefill), ``hybrid``
 (a checkpoint loaded with ``retrofit.load``), ``convert`` (the model converted in memory, undistilled: for speed and
 memory, e.g. of a random-weight 8B hybrid that has no checkpoint).
 
 Spec strings (``--variant``): ``dense``; ``hybrid:DIR``; ``convert:KIND:LAYERS`` (KIND gdn or kda, LAYERS a
 ``--layers`` spec without scoring, e.g. ``convert:gdn:not:every:4`` = 3 of 4 layers GDN);
 ``METHOD:budget=N[,key=value...]`` for sparse decoding, e.g. ``quest:budget=256,page_size=16`` (named
-``quest@256,page_size=16``); ``A+B`` composes two, e.g. ``convert:gdn:not:every:4+quest:budget=2048`` (Quest on a
-converted hybrid's softmax layers).
+``quest@256,page_size=16``); ``prefill:METHOD[:key=value,...]`` for sparse prefill, e.g.
+``prefill:xattention:threshold=0.9`` (named ``prefill:xattention,threshold=0.9``); ``A+B`` composes two, e.g.
+``convert:gdn:not:every:4+quest:budget=2048`` (Quest on a converted hybrid's softmax layers) or
+``prefill:xattention+quest:budget=1024`` (sparse prefill and sparse decoding in one session).
 """
 from __future__ import annotations
 
@@ -98,6 +101,28 @@ def sparse(method: str, budget: int, **params) -> Variant:
             yield model
 
     return Variant(name, opener, decode_only=True)
+
+
+@VARIANT_KINDS.register("prefill")
+def prefill(method: str, **params) -> Variant:
+    """``with retrofit.sparse.sparse_prefill(model, method=method, **params)``: the prompt's attention block-sparse
+    (it changes forward passes over prompts, so no task is dense by construction)."""
+    from retrofit.sparse.prefill import build_prefill_method, prefill_layers
+
+    build_prefill_method(method, **params)  # a bad method or parameter fails at parse time
+    name = f"prefill:{method}" + (f",{format_params(params)}" if params else "")
+
+    def describer(model) -> dict:
+        return {"prefill_method": method, "prefill_layers": prefill_layers(model)}
+
+    @contextlib.contextmanager
+    def opener(model, tokenizer) -> Iterator[object]:
+        from retrofit.sparse.prefill import sparse_prefill
+
+        with sparse_prefill(model, method=method, **params):
+            yield model
+
+    return Variant(name, opener, describer)
 
 
 @VARIANT_KINDS.register("hybrid")
@@ -199,7 +224,7 @@ def composed(outer: Variant, inner: Variant) -> Variant:
 
 
 def parse_variant_spec(spec: str) -> Variant:
-    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS``,
+    """A ``--variant`` string: ``dense``, ``hybrid:DIR``, ``convert:KIND:LAYERS``, ``prefill:METHOD[:key=value,...]``,
     ``METHOD:budget=N[,key=value...]``, or ``A+B`` (variant B opened on what variant A yields)."""
     if "+" in spec:
         outer, _, inner = spec.partition("+")
@@ -217,6 +242,12 @@ def parse_variant_spec(spec: str) -> Variant:
         if not layer_type.strip() or not layers.strip():
             raise RetrofitError(f"--variant {spec!r}: expected convert:KIND:LAYERS, e.g. convert:gdn:not:every:4")
         return convert(layer_type, layers)
+    if head == "prefill":
+        method, _, pairs = rest.partition(":")
+        if not method.strip():
+            raise RetrofitError(f"--variant {spec!r}: expected prefill:METHOD[:key=value,...], e.g. "
+                                "prefill:xattention:threshold=0.9")
+        return prefill(method.strip(), **parse_pairs(split_pairs(pairs), f"--variant {spec!r}:"))
     if not head:
         raise RetrofitError(f"--variant {spec!r}: expected METHOD:budget=N[,key=value...]")
     params = parse_pairs(split_pairs(rest), f"--variant {spec!r}:")
@@ -229,17 +260,22 @@ def parse_variant_spec(spec: str) -> Variant:
 
 
 def variants_from_options(sparse_methods: list[str], budgets: list[int], sparse_args: list[str],
-                          hybrid_dirs: list[str], specs: list[str]) -> list[Variant]:
-    """The variants (besides dense) named on the command line, in order: sparse x budgets, hybrids, specs.
-    Duplicate names are a user error."""
+                          hybrid_dirs: list[str], specs: list[str], prefill_methods: list[str] = (),
+                          prefill_args: list[str] = ()) -> list[Variant]:
+    """The variants (besides dense) named on the command line, in order: sparse x budgets, sparse prefill methods
+    (each with the ``--prefill-arg`` pairs), hybrids, specs. Duplicate names are a user error."""
     if budgets and not sparse_methods:
         raise RetrofitError("--budget needs --sparse METHOD")
     if sparse_methods and not budgets:
         raise RetrofitError("--sparse needs at least one --budget N")
     if sparse_args and not sparse_methods:
         raise RetrofitError("--sparse-arg needs --sparse METHOD")
+    if prefill_args and not prefill_methods:
+        raise RetrofitError("--prefill-arg needs --prefill METHOD")
     params = parse_pairs(sparse_args, "--sparse-arg")
     variants = [sparse(method, budget, **params) for method in sparse_methods for budget in budgets]
+    prefill_params = parse_pairs(prefill_args, "--prefill-arg")
+    variants += [prefill(method, **prefill_params) for method in prefill_methods]
     variants += [hybrid(path) for path in hybrid_dirs]
     variants += [parse_variant_spec(spec) for spec in specs]
     names = [variant.name for variant in variants]

@@ -44,3 +44,72 @@ def nan_poisoned_allocations():
 
 
 poisoned_empty = nan_poisoned_allocations
+
+
+class AllocationCap:
+    """A per-allocation limit on tensors made by PyTorch operators, as a device of ``limit`` bytes would impose:
+    within ``with cap:`` an operator whose output is a new storage of more than ``limit`` bytes raises
+    ``torch.OutOfMemoryError`` with the CPU allocator's words; ``limit`` None only records ``largest``, the largest
+    new storage seen (views and in-place results, which allocate nothing, are not counted). ``raised`` counts the
+    refusals."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit, self.largest, self.raised = limit, 0, 0
+
+    def __enter__(self) -> "AllocationCap":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        cap = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                cap._check(out, args, kwargs or {})
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def _check(self, out, args, kwargs) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        existing = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in existing:
+                continue
+            size = storage.nbytes()
+            self.largest = max(self.largest, size)
+            if self.limit is not None and size > self.limit:
+                self.raised += 1
+                raise torch.OutOfMemoryError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                             f"{size} bytes. Error code 12 (Cannot allocate memory)")
+
+
+@contextlib.contextmanager
+def allocations_capped_in(owner, name: str, limit: int = 0, when=lambda *args, **kwargs: True):
+    """Within the block, calls of ``owner.name`` (a method or function) for which ``when(*args, **kwargs)`` holds
+    run under ``AllocationCap(limit)``: their first allocation over ``limit`` bytes raises torch.OutOfMemoryError.
+    Yields the list of the caps applied."""
+    original = getattr(owner, name)
+    caps: list[AllocationCap] = []
+
+    def capped(*args, **kwargs):
+        if not when(*args, **kwargs):
+            return original(*args, **kwargs)
+        cap = AllocationCap(limit)
+        caps.append(cap)
+        with cap:
+            return original(*args, **kwargs)
+
+    setattr(owner, name, capped)
+    try:
+        yield caps
+    finally:
+        setattr(owner, name, original)

@@ -88,6 +88,7 @@ ROWS = [
     (["eval", "smollm2-135m", "--tasks", "niah_single", "--haystack", "{random_text}"], "not UTF-8 text"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--limit", "0", *EVAL], "--limit must be a positive"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--batch-size", "0", *EVAL], "--batch-size must be positive"),
+    (["eval", "smollm2-135m", "--tasks", "piqa", "--batch-size", "max", *EVAL], "a positive number of rows or auto"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--task-file", "foo={missing}", *EVAL], "--task-file foo"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--budget", "256", *EVAL], "--budget needs --sparse METHOD"),
     (["eval", "smollm2-135m", "--tasks", "piqa", "--sparse", "quest", *EVAL], "--sparse needs at least one --budget"),

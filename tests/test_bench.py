@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from retrofit._entry import cli_module
 from retrofit.bench.configs import build_random_model
 from retrofit.bench.measure import measure_point, run_bench
-from retrofit.bench.memory import MemoryProbe, tensor_bytes
+from retrofit.bench.memory import tensor_bytes
+from retrofit.memory import MemoryProbe
 from retrofit.errors import RetrofitError
 from retrofit.variants import Variant, parse_variant_spec
 
@@ -96,7 +97,8 @@ def test_bench_cli_runs_each_engine_given_and_compares_each_with_its_own_dense(t
     assert payload["config"]["engine"] == "retrofit,retrofit-unfused" and payload["config"]["complete"] is True
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| dense |")]
     assert [row[1] for row in rows] == ["retrofit", "retrofit-unfused"]
-    assert [row[9] for row in rows] == ["1.00x", "1.00x"]  # each dense row is its own engine's reference
+    assert [row[11] for row in rows] == ["1.00x", "1.00x"]  # each dense row is its own engine's reference
+    assert [row[7] for row in rows] == ["1.00x", "1.00x"]  # and its own prefill's
 
 
 def test_bench_context_over_limit_is_one_line_error():

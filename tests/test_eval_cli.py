@@ -64,7 +64,14 @@ def test_eval_writes_json_and_prints_the_table(eval_data_dir, tmp_path):
     table = result.stdout.strip().splitlines()
     assert table[0].startswith("value ± stderr")  # the legend, then the table
     assert table[2] == "| task / metric | dense |"
-    assert table[4].startswith("| arc_easy acc (%), n=3 |") and table[-1].startswith("| tokens/s |")
+    assert table[4].startswith("| arc_easy acc (%), n=3 |") and table[-2].startswith("| tokens/s |")
+    # --batch-size auto (the default): each task ran at a batch of at most its rows (3 items x 4 or 2 choices), and
+    # the table's last row says which
+    sizes = payload["config"]["batch_sizes"]["dense"]
+    assert set(sizes) == {"arc_easy", "mine"} and 1 <= sizes["arc_easy"] <= 12 and 1 <= sizes["mine"] <= 6
+    shown = str(sizes["arc_easy"]) if sizes["arc_easy"] == sizes["mine"] else \
+        f"arc_easy {sizes['arc_easy']}, mine {sizes['mine']}"
+    assert table[-1] == f"| batch size (auto) | {shown} |"
 
 
 def test_variant_spec_strings_and_names():

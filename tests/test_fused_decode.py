@@ -147,6 +147,42 @@ def test_fusion_is_installed_only_on_triton_and_undone_on_exit(tiny):
         assert not any("forward" in module.__dict__ for module in tiny.modules())  # the classes' forwards again
 
 
+def test_no_earlier_cache_is_alive_when_a_call_allocates_its_own(tiny, monkeypatch):
+    """A call's static cache (and a sparse session's) is freed as soon as the engine drops it, so none is alive when
+    the next call allocates its own. Two holders kept them: the fused forwards and their fusion point at each other
+    (a cycle, freed only when Python's cycle collector next ran: in a long evaluation on a GPU one cache per call
+    piled up), and a sparse session kept its last cache while the next one was allocated."""
+    import gc
+    import weakref
+
+    caches, alive_at_allocation = [], []
+    new_cache = StaticGeneration._new_cache
+
+    def recorded(self):
+        cache = new_cache(self)  # its buffers are allocated at the first prefill chunk, after this
+        alive_at_allocation.append([ref() is not None for ref in caches])
+        caches.append(weakref.ref(cache))
+        return cache
+
+    monkeypatch.setattr(StaticGeneration, "_new_cache", recorded)
+    ids, mask = _prompt()
+    options = dict(max_new_tokens=2, eos_token_id=[], pad_token_id=0)
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad(), use_backend("triton"):
+            retrofit.generate(tiny, ids, mask, keep_state=False, **options)
+            assert caches[0]() is None  # freed on return
+            with sparse_decoding(tiny, method="quest", budget=16, page_size=4, dense_layers=()) as session:
+                for _ in range(2):
+                    retrofit.generate(tiny, ids, mask, **options)
+                assert caches[2]() is session.cache is not None  # the session shows the bytes of its last cache
+            assert caches[2]() is None
+    finally:
+        gc.enable()
+    assert alive_at_allocation == [[], [False], [False, False]]
+
+
 def test_the_engine_fuses_by_default_and_not_when_told(tiny):
     """On the Triton backend the engine fuses unless ``fuse_layers=False`` (the model's own layers: the baseline of
     `retrofit bench --engine retrofit-unfused`)."""

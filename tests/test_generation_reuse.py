@@ -85,3 +85,29 @@ def test_a_hybrid_reused_starts_from_empty_states(kind, smollm2, one_cpu_thread)
     assert kept_generation(hybrid) is not None
     fresh = _ours(hybrid, tokenizer, _inputs(tokenizer, OTHER_PROMPTS), 12, keep_state=False)
     assert torch.equal(reused, fresh), (reused != fresh).sum()
+
+
+def test_an_evaluation_frees_each_variants_kept_state_before_the_next_variant_opens(smollm2, one_cpu_thread):
+    """retrofit eval runs dense, then each variant: the engine state kept for a variant's model (its static cache)
+    is freed when the variant ends, so no two variants' caches are alive at once (a variant that loads its own model,
+    a hybrid, kept one of its own beside dense's)."""
+    import contextlib
+
+    from retrofit.eval.runner import run_eval
+    from retrofit.eval.tasks import EvalSettings, build_jobs
+    from retrofit.variants import Variant
+
+    model, tokenizer = smollm2
+    release(model)
+    kept_when_opened = []
+
+    @contextlib.contextmanager
+    def opener(dense_model, _):
+        kept_when_opened.append(kept_generation(dense_model))
+        yield dense_model
+
+    jobs = build_jobs(["passkey"], EvalSettings(context_lengths=(256,), limit=2))
+    report = run_eval(model, tokenizer, jobs, [Variant("probe", opener)], batch_size=2)
+    assert kept_when_opened == [None]  # dense's kept state was freed when dense ended
+    assert kept_generation(model) is None  # and the probe's, when it ended
+    assert report.results["probe"]["passkey@256"]["score"] == report.results["dense"]["passkey@256"]["score"]

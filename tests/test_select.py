@@ -16,8 +16,8 @@ from retrofit.convert.data import token_windows
 from retrofit.convert.objectives import kl_loss
 from retrofit.convert.retrieval_probe import RetrievalScores, answer_row_attention, needle_probes
 from retrofit.convert.select_settings import SelectSettings
-from retrofit.convert.selection import (choose, combined_costs, layer_count, parse_layer_spec, rank_layers,
-                                        order_scores, ranking_table)
+from retrofit.convert.selection import (LayerScore, choose, combined_costs, explain_choice, layer_count,
+                                        longest_run, parse_layer_spec, rank_layers, order_scores, ranking_table)
 from retrofit.errors import RetrofitError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,6 +266,49 @@ def test_copy_term_as_the_h100_run_printed_it():
     assert [s.layer for s in scores] == sorted(printed_cost, key=printed_cost.get)
 
 
+def test_a_quarter_softmax_with_bounded_runs_on_the_h100_ranking():
+    """``fraction:0.75`` (22 of 30) on kda-15of30-copyrank's H100 scores (copy_weight 0.5). Unbounded, the
+    cheapest 22 convert layers 1-6 in a row (and 8-13, 24-29); the output names the run and, for each layer kept
+    softmax, its dominant cost term (layer 0's KL of 5.06, the needle and copy heads of 7, 14, 17-23). With
+    max_run 4 no run is longer than 4 and the summed cost is the least of all such choices."""
+    kls, errors, retrieval, _ = _logged_ranking(COPYRANK_RANKING)
+    scores = order_scores(kls, errors, retrieval, 0.5, 0.5)
+    plain = choose(scores, 0.75, 30)
+    assert len(plain) == 22 and longest_run(plain, 30) == (6, 1, 6)
+    text = explain_choice(scores, plain, 30, 0.5, 0.5, 0.75)
+    assert text.splitlines()[0] == ("kept softmax, 8 of 30, each by its largest cost term: 0 (KL 5.063), 7 (needle "
+                                    "mass 0.738), 14 (needle mass 0.625), 17 (copy rate 0.777), 18 (copy rate 0.643), "
+                                    "20 (copy rate 0.366), 21 (needle mass 0.710), 23 (copy rate 0.616)")
+    assert "longest run of converted layers: 6 (1-6)" in text and "max_run" in text
+    bounded = choose(scores, 0.75, 30, max_run=4)  # (that it is the cheapest such set: the exhaustive test below)
+    assert len(bounded) == 22 and longest_run(bounded, 30)[0] <= 4
+    assert bounded == [1, 3, 4, 5, 6, 8, 9, 10, 11, 13, 14, 15, 16, 19, 20, 21, 22, 24, 25, 27, 28, 29]
+    assert ("max_run 4: layers 2, 12, 26 stay softmax and 14, 20, 21 are converted in their place (the cheapest "
+            "choice with at most 4 converted in a row; summed cost 19.785 against 13.065)") in \
+        explain_choice(scores, bounded, 30, 0.5, 0.5, 0.75, 4)
+
+
+def test_bounded_runs_find_the_cheapest_set_exhaustively():
+    """On 12 layers with seeded costs, for every count and bound: the choice is one of the cheapest sets among all
+    those whose runs are within the bound (all C(12, n) sets checked), or refused in one line if none exists."""
+    import itertools
+
+    costs = torch.rand(12, generator=torch.Generator().manual_seed(4)).tolist()
+    scores = sorted((LayerScore(i, c, 0.0, cost=c) for i, c in enumerate(costs)), key=lambda s: s.cost)
+    for count in range(1, 12):
+        for bound in (1, 2, 3):
+            feasible = [set_ for set_ in itertools.combinations(range(12), count)
+                        if longest_run(list(set_), 12)[0] <= bound]
+            if not feasible:
+                with pytest.raises(RetrofitError, match=rf"^max_run {bound}: {count} converted layers of 12 cannot"):
+                    choose(scores, count / 12, 12, bound)
+                continue
+            chosen = choose(scores, count / 12, 12, bound)
+            best = min(sum(costs[i] for i in set_) for set_ in feasible)
+            assert longest_run(chosen, 12)[0] <= bound and len(chosen) == count
+            assert sum(costs[i] for i in chosen) == pytest.approx(best, abs=1e-12)
+
+
 def test_dense_model_reads_the_planted_needle_back(ranked):
     """The retrieval probe on 2 needle prompts of 512 tokens from the calibration books: the dense model predicts
     every digit of the number (teacher-forced arg-max), and its retrieval heads put most of their attention on the
@@ -415,6 +458,11 @@ def test_select_command_prints_the_ranking_within_its_memory_bound(calib_data_di
     assert [int(rank) for rank, _ in rows] == list(range(1, 31))
     assert sorted(int(layer) for _, layer in rows) == list(range(30))
     assert re.search(r"^--layers (\d+,){7}\d+$", printed, flags=re.M)  # round(0.25 * 30) = 8 layers
+    # why the other 22 stay softmax, each by its largest cost term, and the longest run of converted layers
+    assert re.search(r"^kept softmax, 22 of 30, each by its largest cost term: (\d+ \((KL|needle mass|copy rate) "
+                     r"[\d.]+\)(, |$)){22}", printed, flags=re.M)
+    assert re.search(r"^(longest run of converted layers: \d+ \(\d+-\d+\)|no two converted layers in a row)$",
+                     printed, flags=re.M)
 
 
 def test_the_kl_probes_bar_counts_layers(smollm2, ranked, monkeypatch, capsys):

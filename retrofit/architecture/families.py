@@ -4,7 +4,7 @@ its weights load; adding one is a record here plus a row in the contract tests' 
 """
 from __future__ import annotations
 
-from retrofit.architecture.layouts import PerGroup, PerHead, Separate, Stacked
+from retrofit.architecture.layouts import PerGroup, PerHead, Stacked
 from retrofit.architecture.record import Architecture, QKNorm, inverse_sqrt
 from retrofit.registry import Registry
 
@@ -74,7 +74,8 @@ _add(Architecture("starcoder2", biases=_both("use_bias", True), norm="layer", ml
 _add(Architecture("smollm3", biases=_both("attention_bias"),
                   rotates=lambda config, index, kind: bool(config.no_rope_layers[index])))
 _add(Architecture("gpt_neox", decoder="gpt_neox.layers", attention="attention", final_norm="gpt_neox.final_layer_norm",
-                  lm_head="lm_head|embed_out", qkv=PerHead("query_key_value"), output="dense", biases=_both("attention_bias"),
+                  lm_head="lm_head|embed_out", qkv=PerHead("query_key_value"), output="dense",
+                  biases=_both("attention_bias"),
                   kv_heads=lambda config: config.num_attention_heads, norm="layer",
                   parallel_block=lambda config: bool(config.use_parallel_residual),
                   mlp_projections=("dense_h_to_4h", "dense_4h_to_h")))

@@ -31,6 +31,13 @@ Variants (dense always runs first, each variant after it; one model on the devic
       A+B: variant B opened on the model variant A yields, e.g. sparse decoding on a converted hybrid's
       softmax layers. seer:budget=N,random_gates=true: untrained gates of the right shape (speed only).
 \b
+  --prefill xattention [--prefill-arg threshold=0.9]          (repeatable)
+  --variant "prefill:xattention:max_density=0.1"              (repeatable)
+      block-sparse prefill on the softmax layers; the table gives the prefill seconds and time to first
+      token beside dense, and a second table the share of the blocks each layer computed. Calls over
+      fewer keys than min_length (default 4096) run dense. On random weights the scores say little:
+      max_density fixes the share of blocks for a speed run.
+\b
 Engines (--engine, repeatable): retrofit (default; static cache, decode step captured as a CUDA graph on
   CUDA, the decoder layers of families with a fused decode path through fused kernels where they run on Triton;
   the table's notes say which layers ran unfused), retrofit-unfused
@@ -68,9 +75,13 @@ DEFAULT_CONTEXTS = "1k,4k,16k"
 @click.option("--sparse", "sparse_methods", multiple=True, metavar="METHOD", help="Sparse method (repeatable).")
 @click.option("--budget", "budgets", multiple=True, type=int, metavar="N", help="Token budget (repeatable).")
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="KEY=VALUE", help="Extra sparse keyword.")
+@click.option("--prefill", "prefill_methods", multiple=True, metavar="METHOD",
+              help="Sparse prefill method (repeatable): xattention or vertical_slash.")
+@click.option("--prefill-arg", "prefill_args", multiple=True, metavar="KEY=VALUE", help="Sparse prefill parameter.")
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
-              help="Variant spec (repeatable): METHOD:budget=N[,key=value...], hybrid:DIR or convert:KIND:LAYERS.")
+              help="Variant spec (repeatable): METHOD:budget=N[,key=value...], prefill:METHOD[:key=value,...], "
+                   "hybrid:DIR or convert:KIND:LAYERS.")
 @click.option("--engine", "engines", type=click.Choice(list(ENGINES)), multiple=True, default=("retrofit",),
               show_default=True, help="What generates (repeatable: the engines run one after another in this run; "
                                       "see above).")
@@ -79,7 +90,8 @@ DEFAULT_CONTEXTS = "1k,4k,16k"
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results here.")
 def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
-                  sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
+                  sparse_args: tuple[str, ...], prefill_methods: tuple[str, ...], prefill_args: tuple[str, ...],
+                  hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
                   engines: tuple[str, ...], repeats: int, warmup: int, json_path: Path | None) -> None:
     from retrofit.atomic import write_json
     import torch
@@ -92,6 +104,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.cliargs import parse_lengths
     from retrofit.devices import default_dtype, parse_device, parse_dtype
     from retrofit.load import ALIASES, load
+    from retrofit.memory import reported
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
@@ -102,7 +115,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     if repeats <= 0 or warmup < 0:
         raise RetrofitError(f"--repeats must be positive and --warmup not negative, got {repeats} and {warmup}")
     variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
-                                     list(variant_specs))
+                                     list(variant_specs), list(prefill_methods), list(prefill_args))
     dtype = dtype or default_dtype(device)
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
     built = time.perf_counter()
@@ -114,7 +127,9 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
         context_list = context_list if contexts else default_contexts(skeleton, context_list, decode_tokens)
         check_lengths(skeleton, context_list, decode_tokens)
         check_fits(skeleton, torch_device, torch_dtype)
-        model, tokenizer = build_random_model(model_or_config, torch_dtype, torch_device, layers), None
+        with reported(f"building {model_or_config} with random weights", device=torch_device,
+                      advice="--dtype bfloat16, --layers N, or another --device"):
+            model, tokenizer = build_random_model(model_or_config, torch_dtype, torch_device, layers), None
         source = f"config {model_or_config} (random weights)"
     else:
         if layers is not None:
@@ -123,7 +138,8 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
                 and model_or_config not in ALIASES:  # a bare name is meant as a config: no 30 s of hub retries
             raise RetrofitError(MODEL_CONFIGS.unknown_message(model_or_config)
                                 + "; or a model directory, a .gguf file, or a hub id org/name")
-        model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
+        with reported(f"loading {model_or_config}", advice="--dtype bfloat16 or another --device", device=torch_device):
+            model, tokenizer = load(model_or_config, dtype=torch_dtype, device=torch_device)
         source = model_or_config
     build_seconds = time.perf_counter() - built
     details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run

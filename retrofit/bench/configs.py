@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from retrofit.errors import RetrofitError
-from retrofit.devices import available_host_memory
+from retrofit.memory import available_bytes
 from retrofit.model_configs import MODEL_CONFIGS, build_random_model  # noqa: F401  (their home for bench)
 
 
@@ -13,10 +13,7 @@ def check_fits(skeleton, device: torch.device, dtype: torch.dtype) -> None:
     """RetrofitError unless the weights of ``skeleton`` (a model of meta tensors: shapes only) fit in the memory
     ``device`` has free, so that an 8B config on a small machine is refused in one line, not killed by the OS."""
     needed = sum(p.numel() for p in skeleton.parameters()) * torch.empty((), dtype=dtype).element_size()
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = available_host_memory()
+    free = available_bytes(device)
     if free is not None and needed > free:
         raise RetrofitError(f"the weights need {needed / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}; "
                             f"{device} has {free / 2**30:.1f} GiB free (try --dtype bfloat16, --layers N or another "

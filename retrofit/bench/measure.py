@@ -14,7 +14,10 @@ Four engines time the same random prompt:
 
 Each point runs ``warmup`` untimed generations, then ``repeats`` timed ones, and reports the medians with their
 spread (``(max - min) / median``): a single sample swings several times on a loaded machine. The device is
-synchronised around each timed phase. Decode time is per step (one token for each of the ``batch`` rows).
+synchronised around each timed phase. Decode time is per step (one token for each of the ``batch`` rows). Prefill time
+is the prompt's forward and the choice of the first token; time to first token adds that token's copy to the host.
+Under a sparse prefill (``retrofit.sparse.sparse_prefill``) each point also records the share of the causal blocks
+each layer computed in its first timed run.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from retrofit.bench.floor import floor_seconds
-from retrofit.bench.memory import MemoryProbe, tensor_bytes
+from retrofit.bench.memory import tensor_bytes
+from retrofit.memory import MemoryProbe, allocation_detail, is_out_of_memory, release_memory
 
 ENGINES = ("retrofit", "retrofit-unfused", "transformers", "transformers-compile")
 
@@ -53,6 +57,9 @@ class BenchPoint:
     decode_spread: float = float("nan")
     floor_s_per_token: float = float("nan")
     captured: bool | None = None
+    ttft_s: float = float("nan")
+    blocks_computed: dict[int, float] | None = None
+    prefill_sparse: bool | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -77,12 +84,14 @@ class BenchPoint:
 
 @dataclass
 class Sample:
-    """One timed generation: prefill seconds, decode seconds per step, the cache it left, whether it was graphed."""
+    """One timed generation: prefill seconds, decode seconds per step, the cache it left, whether it was graphed,
+    the time to first token (the prefill and the first token on the host)."""
 
     prefill_s: float
     decode_s_per_token: float
     cache: object
     captured: bool | None = None
+    ttft_s: float = float("nan")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -119,13 +128,16 @@ def time_retrofit(model, input_ids: torch.Tensor, decode_tokens: int, fuse_layer
         generation.prefill()
         _synchronize(device)
         prefilled = time.perf_counter()
+        generation.out[:, :1].cpu()  # the first token, where a caller reads it
+        first_token = time.perf_counter()
         loop.run(SETTLE_STEPS, stop_at_end=False)
         _synchronize(device)
         settled = time.perf_counter()
         loop.run(decode_tokens, stop_at_end=False)
         _synchronize(device)
         decoded = time.perf_counter()
-    return Sample(prefilled - began, (decoded - settled) / decode_tokens, generation.cache, use_graph)
+    return Sample(prefilled - began, (decoded - settled) / decode_tokens, generation.cache, use_graph,
+                  first_token - began)
 
 
 class _StepClock:
@@ -162,7 +174,7 @@ def time_transformers(model, input_ids: torch.Tensor, decode_tokens: int, compil
                             pad_token_id=0, temperature=None, top_p=None, top_k=None, **options)
     cache = output.cache if "cache" in output else output.get("past_key_values")  # renamed in transformers 5
     decode = (clock.stamps[-1] - clock.stamps[0]) / decode_tokens
-    return Sample(clock.stamps[0] - began, decode, cache, None)
+    return Sample(clock.stamps[0] - began, decode, cache, None, clock.stamps[0] - began)
 
 
 def refusal(model, engine: str) -> str | None:
@@ -190,8 +202,11 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
     reason = refusal(model, engine)
     if reason is not None:
         return failed_point(variant, context, batch, decode_tokens, reason, engine)
+    from retrofit.sparse.prefill import active_prefill, blocks_computed
+
     device = next(model.parameters()).device
     input_ids = _random_prompt(model, context, batch, seed)
+    prefill = active_prefill(model)
 
     def timed() -> Sample:
         if engine in ("retrofit", "retrofit-unfused"):
@@ -202,14 +217,17 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
         for _ in range(warmup + (1 if engine == "transformers-compile" else 0)):  # compiling is not timed
             timed()
     except Exception as error:  # noqa: BLE001 - transformers' compiled path fails on models it does not support
-        if engine != "transformers-compile":
+        if engine != "transformers-compile" or is_out_of_memory(error):
             raise
         first = (str(error).strip().splitlines() or [""])[0][:120]
         return failed_point(variant, context, batch, decode_tokens,
                             f"transformers-compile failed here: {type(error).__name__}: {first}", engine)
     samples = []
+    if prefill is not None:
+        prefill.take_calls()  # the warm-up's
     with MemoryProbe(device) as probe:
         samples.append(timed())
+    calls = prefill.take_calls() if prefill is not None else []
     for _ in range(repeats - 1):
         samples[-1].cache = None  # keep one cache alive at a time
         gc.collect()
@@ -223,9 +241,14 @@ def measure_point(model, variant: str, context: int, batch: int, decode_tokens: 
                        probe.result.peak, probe.result.delta, tensor_bytes(cache), probe.result.kind,
                        engine=engine, repeats=repeats, prefill_spread=_spread([s.prefill_s for s in samples]),
                        decode_spread=_spread([s.decode_s_per_token for s in samples]), floor_s_per_token=floor,
-                       captured=samples[-1].captured)
+                       captured=samples[-1].captured, ttft_s=statistics.median(s.ttft_s for s in samples),
+                       blocks_computed=blocks_computed(calls) if calls else None,
+                       prefill_sparse=any(call.sparse for call in calls) if calls else None)
     del samples, cache
     return point
+
+
+OUT_OF_MEMORY = "out of memory"  # how a point that did not fit begins its error
 
 
 def failed_point(variant: str, context: int, batch: int, decode_tokens: int, error: str,
@@ -263,9 +286,7 @@ def run_bench(model, variants, tokenizer, contexts: list[int], batches: list[int
 
     for variant in [dense(), *variants]:
         _measure_variant(model, variant, tokenizer, contexts, batches, decode_tokens, device, settings, record)
-        gc.collect()  # the variant's model is unreachable once _measure_variant returned
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)  # the variant's model is unreachable once _measure_variant returned
     return points
 
 
@@ -277,11 +298,10 @@ def _measure_variant(model, variant, tokenizer, contexts: list[int], batches: li
             for batch in batches:
                 try:
                     point = measure_point(measured, variant.name, context, batch, decode_tokens, **settings)
-                except torch.OutOfMemoryError as error:
+                except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+                    if not is_out_of_memory(error):
+                        raise
                     point = failed_point(variant.name, context, batch, decode_tokens,
-                                         f"out of memory: {str(error).splitlines()[0][:120]}", settings["engine"])
-                finally:
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                                         f"{OUT_OF_MEMORY} ({allocation_detail(error)[1]})", settings["engine"])
+                release_memory(device)  # what the point held (or the failed attempt) is unreachable by now
                 record(point)

@@ -135,6 +135,19 @@ def load_train_state(work_dir: Path, fingerprint: dict) -> dict | None:
     return state
 
 
+def saved_position(work_dir: Path) -> tuple[int, int] | None:
+    """(stage, step the run continues at) of the training checkpoint in ``work_dir``, read without reading its
+    tensors (the file memory-mapped); None when there is none or it cannot be read."""
+    path = work_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(state["stage"]), int(state["step"])
+    except Exception:  # noqa: BLE001 - any unreadable file is "no usable checkpoint" here
+        return None
+
+
 def _plain(value):
     """``value`` as JSON gives it back (tuples become lists), so a key read from disk compares equal to a fresh one."""
     return json.loads(json.dumps(value))

@@ -85,6 +85,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     import time
 
     from retrofit.convert.distill import TrainingPaused
+    from retrofit.memory import is_out_of_memory, out_of_memory
     from retrofit.convert.parts import PartsSoFar, parts_so_far, process_peak_memory, record_parts
     from retrofit.devices import is_first_process
     from retrofit.convert.pipeline import convert, plan
@@ -106,6 +107,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                         device_memory=device_memory, **options).table() + "\n")
     start = time.time()
     earlier = parts_so_far(out) if resume and out else PartsSoFar()
+    failure = None
     try:
         path = convert(model, to=to, layers=layers, data=list(data) or None, out=out, tokens=tokens, recipe=recipe,
                        resume=resume, overwrite=overwrite, device=device, show_progress=not quiet,
@@ -115,6 +117,14 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
             record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
+    except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+        if not is_out_of_memory(error):
+            raise
+        failure = out_of_memory(error, "converting")
+    if failure is not None:  # outside the except: what the failed step held is free by now
+        if is_first_process():
+            record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
+        raise stopped_out_of_memory(failure, out)
     if is_first_process():
         import json
 
@@ -129,12 +139,34 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
         click.echo(f"peak memory: {parts.peak_memory_measure}")
 
 
+def stopped_out_of_memory(failure, out):
+    """``failure`` (an :class:`~retrofit.memory.OutOfMemory` of a conversion to ``out``) told with what survives:
+    the last training checkpoint, which ``--resume`` continues from, or that there is none yet."""
+    from pathlib import Path
+
+    from retrofit.convert.checkpoint import saved_position, work_dir_for
+
+    work_dir = work_dir_for(out)
+    position = saved_position(work_dir)
+    if position is None:
+        failure.what = f"converting to {Path(out)} (no training checkpoint was written yet: a rerun starts over)"
+    else:
+        stage, step = position
+        failure.what = (f"converting to {Path(out)}; its last checkpoint (stage {stage}, step {step}) is kept in "
+                        f"{work_dir}, and the same command with --resume continues from it")
+    failure.advice = ("--resume where more memory is free, or start over with a smaller --batch-size (a larger "
+                      "--grad-accum keeps the tokens per step), a shorter --seq-len, --checkpoint-activations-from, "
+                      "or another --device")
+    return failure
+
+
 SELECT_EXAMPLES = """
 \b
 Examples:
   retrofit select smollm2-135m --fraction 0.25 --data ../shared/data/calib
   retrofit select smollm2-135m --fraction 0.5 --data calib/ --probe-context 2048,4096 --retrieval-weight 2
   retrofit select smollm2-135m --fraction 0.25 --data calib/ --retrieval-weight 0 --retrieval-probes 0   # KL only
+  retrofit select smollm2-135m --fraction 0.75 --data calib/ --copy-weight 0.5 --max-run 3   # a quarter softmax
 """
 
 
@@ -161,14 +193,16 @@ Examples:
               help="Context lengths of the needle probes in tokens, comma-separated (e.g. 2048,4096).")
 @click.option("--seed", type=int, default=SelectSettings.seed, show_default=True,
               help="Seed of the needle probes (haystacks, numbers, depths).")
+@click.option("--max-run", type=int, default=SelectSettings.max_run, show_default=True,
+              help="At most this many converted layers in a row (0: no bound): the cheapest such set is chosen.")
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batch_size, probe_windows,
-                   retrieval_weight, copy_weight, retrieval_probes, probe_context, seed, device, quiet):
+                   retrieval_weight, copy_weight, retrieval_probes, probe_context, seed, max_run, device, quiet):
     """Rank MODEL's layers by the cost of converting each one (short-window KL and long-context retrieval), print
     the ranking, the chosen --layers and what the scoring cost (seconds, peak memory)."""
     from retrofit.convert.data import token_windows
-    from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
+    from retrofit.convert.selection import choose, explain_choice, parse_layer_spec, rank_layers, ranking_table
     from retrofit.devices import parse_device
     from retrofit.layers import LAYER_TYPES
     from retrofit.load import load
@@ -181,7 +215,7 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     settings = SelectSettings(align_steps=align_steps, batch_size=batch_size, probe_windows=probe_windows,
                               retrieval_weight=retrieval_weight, copy_weight=copy_weight,
                               retrieval_probes=retrieval_probes,
-                              probe_context=probe_context, seed=seed)
+                              probe_context=probe_context, seed=seed, max_run=max_run)
     torch_device = parse_device(device)
     dense, tokenizer = load(model, dtype="float32", device=torch_device)
     layout = attention_layout(dense)
@@ -190,9 +224,11 @@ def select_command(model, fraction, data, to, tokens, seq_len, align_steps, batc
     windows = token_windows(tokenizer, list(data), count, seq_len, show_progress=not quiet)
     ranking = rank_layers(dense, tokenizer, windows, list(data), to, settings, device=torch_device,
                           show_progress=not quiet)
-    chosen = choose(ranking.scores, fraction, layout.num_layers)
+    chosen = choose(ranking.scores, fraction, layout.num_layers, max_run)
     click.echo(ranking_table(ranking.scores, chosen))
     click.echo(f"\n{ranking.summary()}")
+    click.echo(explain_choice(ranking.scores, chosen, layout.num_layers, retrieval_weight, copy_weight, fraction,
+                              max_run))
     click.echo(f"\n--layers {','.join(map(str, chosen))}")
 
 

@@ -1,11 +1,13 @@
 """Two-stage distillation of a hybrid from its dense model.
 
-Stage 1 (layer-wise): one teacher pass per batch records the inputs and outputs of every selected attention layer;
-each converted layer is trained to reproduce its attention's output on the same inputs (relative MSE), all layers at
-once (one process backpropagates them one layer at a time: the same gradients, one layer's activations). Stage 2
-(end to end): the hybrid is trained against the dense model's logits (KL, optional CE) with LoRA on the remaining
-attention and MLP projections from the first converted layer on (peft) and the new layers trained fully; LoRA is
-merged at the end.
+Stage 1 (layer-wise): one teacher pass per batch records the inputs and outputs of every selected attention layer
+(or, with ``stage1_target: block``, of every converted layer's decoder block); each converted layer is trained to
+reproduce its attention's output (or its block's output hidden states) on the same inputs (relative MSE), all
+layers at once (one process backpropagates them one layer at a time: the same gradients, one layer's activations).
+Stage 2 (end to end): the hybrid is trained against the dense model's logits (KL, optional CE, optional cosine of
+every block's output hidden states) with LoRA on the remaining attention and MLP projections from the first
+converted layer on (peft), the new layers trained fully, and optionally the norms and the converted layers' whole
+blocks trained on the student's own copies; LoRA is merged at the end.
 
 Runs unchanged under ``torchrun`` (one process per GPU; batches sharded by rank; rank 0 saves), with DDP
 (``parallel: ddp``, the default) or FSDP2 (``parallel: fsdp``: ``torch.distributed.fsdp.fully_shard``). Checkpoints
@@ -49,9 +51,10 @@ from retrofit.convert.checkpoint import (
 )
 from retrofit.convert.copies import copy_generator, with_copied_spans
 from retrofit.convert.data import BatchSampler
-from retrofit.convert.objectives import (AttentionCapture, DecoderInputCapture, LayerAligner, StudentTail,
-                                         distillation_loss, lora_target_names, next_token_targets, output_logits,
-                                         warmup_cosine)
+from retrofit.convert.objectives import (AttentionCapture, BlockAligner, BlockCapture, BlockOutputCapture,
+                                         DecoderInputCapture, LayerAligner, StudentTail, directly_trained_names,
+                                         distillation_loss, hidden_cosine_loss, lora_target_names, next_token_targets,
+                                         output_logits, warmup_cosine)
 from retrofit.convert.plan import PARALLEL_MODES, DistillConfig, Plan  # noqa: F401  (re-exported: the settings' old home)
 from retrofit.devices import parse_dtype
 
@@ -336,9 +339,12 @@ class Distiller:
             from retrofit.convert.init import match_output_scale
 
             # the same windows on every rank and for any world size (a global batch), so runs agree
+            from retrofit.convert.init import calibrate_far_logits
+
             calibration = self.windows[: self.config.batch_size * self.world_size].to(self.device)
             with self._autocast():
                 match_output_scale(self.converted_layers(), self.dense, calibration)
+                calibrate_far_logits(self.converted_layers(), self.dense, calibration)
         skip_stage1 = self.saved is not None and self.saved["stage"] == 2
         if not skip_stage1:
             self.stage1()
@@ -351,13 +357,23 @@ class Distiller:
 
     def stage1(self) -> None:
         self.hybrid.requires_grad_(False)
-        aligner = LayerAligner(self.converted_layers()).train()
-        aligner.requires_grad_(True)
+        if self.config.stage1_target == "block":  # whole decoder blocks; only their converted attention trains
+            blocks = architecture.of(self.hybrid).blocks(self.hybrid)
+            aligner = BlockAligner({i: blocks[i] for i in self.layers}).train()
+            capture = BlockCapture(self.dense, self.layers)
+        else:
+            aligner = LayerAligner(self.converted_layers()).train()
+            capture = AttentionCapture(self.dense, self.layers)
+        for layer in self.converted_layers().values():
+            layer.requires_grad_(True)
         params = [p for p in aligner.parameters() if p.requires_grad]
-        wrapped, module, params, opt, sched, start, finish = self._prepare(
-            1, aligner, [{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps,
-            make_root=lambda m: m, units=lambda m: list(m.converted.values()))
-        capture = AttentionCapture(self.dense, self.layers)
+        try:
+            wrapped, module, params, opt, sched, start, finish = self._prepare(
+                1, aligner, [{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps,
+                make_root=lambda m: m, units=lambda m: list(m.converted.values()))
+        except BaseException:
+            capture.remove()
+            raise
 
         def step_fn(batch, accumulation):
             with self._autocast():
@@ -378,12 +394,15 @@ class Distiller:
         torch.manual_seed(self.config.seed + 2)  # LoRA init does not depend on how stage 1 went (resume-safe)
         self.hybrid.requires_grad_(False)
         groups = self.config.lora_target_groups()
-        use_lora = self.config.lora_rank > 0 and bool(groups) and self.plan.stage2_steps > 0
+        whole_blocks = self.config.finetune_converted_blocks
+        trained_whole = own_trained_copies(self.hybrid, directly_trained_names(self.hybrid, self.layers, groups,
+                                                                               whole_blocks))
+        targets = lora_target_names(self.hybrid, self.layers, groups, whole_blocks)
+        use_lora = self.config.lora_rank > 0 and bool(targets) and self.plan.stage2_steps > 0
         model = self.hybrid
         if use_lora:
             from peft import LoraConfig, get_peft_model
 
-            targets = lora_target_names(self.hybrid, self.layers, groups)
             lora = LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha, lora_dropout=0.0,
                               target_modules=targets, bias="none")
             with warnings.catch_warnings():  # peft reads transformers' deprecated alias; nothing for the user to do
@@ -393,25 +412,32 @@ class Distiller:
         model.train()
         for layer in self.converted_layers().values():
             layer.requires_grad_(True)
+        for parameter in trained_whole:
+            parameter.requires_grad_(True)
         new_params = [p for layer in self.converted_layers().values() for p in layer.parameters()]
-        new_ids = {id(p) for p in new_params}
-        lora_params = [p for p in model.parameters() if p.requires_grad and id(p) not in new_ids]
+        known = {id(p) for p in new_params} | {id(p) for p in trained_whole}
+        lora_params = [p for p in model.parameters() if p.requires_grad and id(p) not in known]
         param_groups = [{"params": new_params, "lr": self.config.lr_stage2}]
         if lora_params:
             param_groups.append({"params": lora_params, "lr": self.config.lr_lora})
+        if trained_whole:  # norms and whole converted blocks, on the student's own copies
+            param_groups.append({"params": trained_whole, "lr": self.config.lr_whole})
         first = min(self.layers)
+        cosine = self.config.hidden_cosine_weight > 0
 
         def base(m: nn.Module) -> nn.Module:  # the hybrid inside a peft model
             return m.get_base_model() if use_lora else m
 
         wrapped, module, params, opt, sched, start, finish = self._prepare(
             2, model, param_groups, self.plan.stage2_steps,
-            make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from, logits=False),
+            make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from, logits=False,
+                                            block_outputs=cosine),
             units=lambda m: list(architecture.of(base(m)).blocks(base(m))[first:]))
         student_model = getattr(wrapped, "module", wrapped).model  # the hybrid that the root runs (DDP wraps it)
         student_head = functools.partial(output_logits, student_model)
         teacher_head = functools.partial(output_logits, self.dense)
         capture = DecoderInputCapture(self.dense, first)
+        teacher_blocks = BlockOutputCapture(self.dense, first) if cosine else None
 
         def step_fn(batch, accumulation):
             with self._autocast():
@@ -419,21 +445,42 @@ class Distiller:
                     teacher = self.dense.base_model(input_ids=batch, use_cache=False).last_hidden_state
                 record = capture.record
                 student = wrapped(record["hidden_states"], record["kwargs"])
+                if cosine:
+                    student, student_blocks = student
                 targets = next_token_targets(batch) if self.config.ce_weight > 0 else None
                 loss = distillation_loss(student, teacher, student_head, teacher_head, self.config.temperature,
-                                         targets, self.config.ce_weight)
+                                         targets, self.config.ce_weight, kl_weight=self.config.kl_weight)
+                if cosine:
+                    loss = loss + self.config.hidden_cosine_weight * hidden_cosine_loss(student_blocks,
+                                                                                        teacher_blocks.outputs)
             return _backward(loss, accumulation)
 
         try:
             self._loop(2, self.plan.stage2_steps, start, step_fn, params, opt, sched, module)
         finally:
             capture.remove()
+            if teacher_blocks is not None:
+                teacher_blocks.remove()
         finish()
         del wrapped, module, params, opt, sched, student_model, student_head  # AdamW state freed before the merge
         if use_lora:
             model = merge_lora(model, self.frozen_dtype)
         model.requires_grad_(False)
         return model
+
+
+def own_trained_copies(model: nn.Module, names: list[str]) -> list[nn.Parameter]:
+    """Give ``model`` its own float32 copy of each named parameter (a new ``Parameter`` in its module, frozen until
+    the caller lets it train) and return them: a student built on the teacher's tensors then trains these weights
+    without writing the teacher's (or a caller's model's)."""
+    copies = []
+    for name in names:
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        copy = nn.Parameter(getattr(module, attribute).detach().to(torch.float32, copy=True), requires_grad=False)
+        setattr(module, attribute, copy)
+        copies.append(copy)
+    return copies
 
 
 def merge_lora(peft_model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -93,3 +93,54 @@ def _output_gate_bias(layer: nn.Module) -> torch.Tensor:
     """Initial output gate logit(s) of a GDN (g_proj) or KDA (g_b_proj) layer, broadcastable to ``[H, D]``."""
     proj = getattr(layer, "g_proj", None) or getattr(layer, "g_b_proj")
     return proj.bias.detach().view(layer.o_norm.weight.shape)
+
+
+@torch.no_grad()
+def calibrate_far_logits(layers: dict[int, nn.Module], dense: nn.Module, input_ids: torch.Tensor) -> dict[int, float]:
+    """Start each windowed converted layer's far-logit estimate ``c(x)`` (``far_logit_proj``: weight 0, a bias per
+    query head) at what the dense attention shows on ``input_ids [B, T]``: the mean over positions with far keys of
+    ``log Z_far - log n_far``, the log of the far keys' summed ``exp(logit)`` over their count
+    (``retrofit.layers.window``). The layer's q and k are the dense attention's at this point (copied), so the
+    window's share of each query's output starts at the share of attention mass the dense model gives the window.
+    Layers without a window are left alone. Returns layer -> the mean bias set, for logging."""
+    from retrofit.convert.objectives import AttentionCapture
+    from retrofit.layers.window import far_counts, window_attention_reference
+
+    windowed = {i: layer for i, layer in layers.items() if getattr(layer, "window", 0)}
+    if not windowed:
+        return {}
+    capture = AttentionCapture(dense, sorted(windowed))
+    try:
+        records = capture.run(dense, input_ids)
+    finally:
+        capture.remove()
+    applied = {}
+    with torch.autocast(device_type=input_ids.device.type, enabled=False):
+        for i, layer in windowed.items():
+            record = records[i]
+            dtype = layer.q_proj.weight.dtype
+            x = record["hidden_states"].to(dtype)
+            rotary = record["position_embeddings"]
+            rotary = None if rotary is None else tuple(part.to(dtype) for part in rotary)
+            projected = layer._normed(layer.q_proj(x), layer.k_proj(x)) + [layer.v_proj(x)]
+            q, k, v = layer.window_qkv(projected, rotary)
+            B, T = x.shape[:2]
+            far = far_counts(torch.arange(T, device=x.device), layer.window, layer.sink_tokens)  # [T]
+            if not bool((far > 0).any()):
+                continue  # windows too short to have far keys: nothing to measure
+            sums, count = torch.zeros(layer.num_heads, device=x.device), 0
+            for row in range(B):  # one row at a time: [T, T] logits per head
+                args = (q[row:row + 1], k[row:row + 1], v[row:row + 1], None)
+                _, total = window_attention_reference(*args, T, 0, layer.window_scale, layer.window_softcap)
+                _, near = window_attention_reference(*args, layer.window, layer.sink_tokens, layer.window_scale,
+                                                     layer.window_softcap)
+                far_share = (-torch.expm1(near - total)).clamp_min(1e-12)  # 1 - Z_near / Z_total
+                log_far_mass = total + torch.log(far_share)  # [1, T, Hq]
+                per_key = (log_far_mass[0] - torch.log(far.clamp_min(1).float())[:, None])[far > 0]
+                sums += per_key.sum(0)
+                count += per_key.shape[0]
+            bias = sums / count
+            layer.far_logit_proj.weight.zero_()
+            layer.far_logit_proj.bias.copy_(bias.to(layer.far_logit_proj.bias.dtype))
+            applied[i] = float(bias.mean())
+    return applied

@@ -58,9 +58,9 @@ def device_memory_of(device: torch.device) -> int | None:
     """Bytes of memory the device has: a CUDA device's total, or the host's available memory; None when unknown."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    from retrofit.devices import available_host_memory
+    from retrofit.memory import available_bytes
 
-    return available_host_memory()
+    return available_bytes(device)
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,31 @@ def softmax_layer_bytes(dims: Dims, p: Precision, lora_attention: bool, lora_mlp
     return kept + _mlp(dims, p, lora_mlp)
 
 
-def converted_attention_bytes(dims: Dims, p: Precision, per_channel: bool) -> int:
+def window_kept_bytes(dims: Dims, p: Precision, window: int, sinks: int) -> int:
+    """Bytes per token that a converted layer's softmax window keeps for the backward pass
+    (:mod:`retrofit.layers.window`): each query head's logits and weights over the keys of its block (the sinks,
+    ``window`` before the block and the block of :data:`retrofit.layers.window.BLOCK` queries) in float32 (and
+    the weights again in the compute dtype under autocast), each block's keys and values (the keys twice: the
+    batched product keeps its own layout of them, and of q), the rotated q and k, and the mix with the delta
+    rule's output."""
+    from retrofit.layers.window import BLOCK
+
+    if not window:
+        return 0
+    q_width = dims.heads * dims.head_dim
+    kv_width = dims.converted_kv_heads * dims.head_dim
+    keys = sinks + window + BLOCK
+    kept = dims.heads * keys * (2 * FLOAT32 + (p.compute if p.autocast else 0))  # logits, weights
+    kept += 2 * p.compute * kv_width * keys // BLOCK  # the blocks' keys and values
+    kept += p.compute * (q_width + kv_width * keys // BLOCK)  # q and the keys again, in the batched product's layout
+    kept += p.compute * (q_width + kv_width)  # q and k rotated
+    kept += 2 * p.compute * q_width + 2 * FLOAT32 * dims.heads  # the mix: window minus delta rule, the share
+    return kept
+
+
+def converted_attention_bytes(dims: Dims, p: Precision, per_channel: bool, window: int = 0, sinks: int = 0) -> int:
     """Bytes per token that one converted (GDN / KDA) attention keeps for the backward pass, without its decoder
-    layer's norms and MLP."""
+    layer's norms and MLP; with a softmax ``window`` (and ``sinks``) inside, :func:`window_kept_bytes` more."""
     q_width = dims.heads * dims.head_dim
     kv_width = dims.converted_kv_heads * dims.head_dim
     joined = q_width + 2 * kv_width
@@ -166,12 +188,14 @@ def converted_attention_bytes(dims: Dims, p: Precision, per_channel: bool) -> in
     kept += 3 * FLOAT32 * decay + 2 * FLOAT32 * dims.converted_kv_heads  # log decay, beta, softplus and sigmoid
     kept += dims.converted_kv_heads * delta_rule_kept_bytes(dims, per_channel, p.compute == 2)
     kept += (2 * FLOAT32 + 2 * p.compute) * q_width + p.compute * q_width  # gated norm (o, gate), o_proj's input
-    return kept
+    return kept + window_kept_bytes(dims, p, window, sinks)
 
 
-def converted_layer_bytes(dims: Dims, p: Precision, per_channel: bool, lora_mlp: bool) -> int:
+def converted_layer_bytes(dims: Dims, p: Precision, per_channel: bool, lora_mlp: bool, window: int = 0,
+                          sinks: int = 0) -> int:
     """Bytes per token that one converted decoder layer keeps for the backward pass."""
-    return _norm(dims.hidden, p) + converted_attention_bytes(dims, p, per_channel) + _mlp(dims, p, lora_mlp)
+    return (_norm(dims.hidden, p) + converted_attention_bytes(dims, p, per_channel, window, sinks)
+            + _mlp(dims, p, lora_mlp))
 
 
 def teacher_pass_bytes(dims: Dims, p: Precision) -> int:
@@ -338,7 +362,7 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
     """
     from retrofit import architecture
     from retrofit.architecture import linear_weight
-    from retrofit.convert.objectives import lora_target_names
+    from retrofit.convert.objectives import directly_trained_names, lora_target_names
     from retrofit.hybrid import HybridSection, hybrid_config, model_class
     from retrofit.layers import LAYER_TYPES
     from retrofit.model_info import attention_layout, decoder_layers
@@ -362,9 +386,13 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
     frozen_params = sum(p.numel() for p in skeleton.parameters())
     converted_params = sum(p.numel() for i in layers for p in arch.attention_module(hybrid, i).parameters())
     groups = config.lora_target_groups() if config.lora_rank > 0 else []
-    targets = [hybrid.get_submodule(name) for name in lora_target_names(hybrid, list(layers), groups)]
+    whole_blocks = config.finetune_converted_blocks
+    targets = [hybrid.get_submodule(name) for name in lora_target_names(hybrid, list(layers), groups, whole_blocks)]
     lora_params = sum(config.lora_rank * sum(linear_weight(m).weight.shape) for m in targets)
     adapted_params = sum(m.weight.numel() for m in targets)
+    # norms and whole converted blocks: trained on the student's own float32 copies (counted with the adapters)
+    lora_params += sum(hybrid.get_parameter(name).numel() for name in
+                       directly_trained_names(hybrid, list(layers), config.lora_target_groups(), whole_blocks))
     trained = converted_params + lora_params
     autocast = config.bf16 if config.bf16 is not None else device.type == "cuda"
     p = Precision(frozen_bytes_per, 2 if autocast else FLOAT32)
@@ -381,8 +409,12 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
     first = 0 if assumed else min(layers)
     converted = set(layers)
     lora_attention, lora_mlp = "attention" in groups, "mlp" in groups
-    tail = [converted_layer_bytes(dims, p, per_channel, lora_mlp) if i in converted
-            else softmax_layer_bytes(dims, p, lora_attention, lora_mlp) for i in range(first, num_layers)]
+    tail = [converted_layer_bytes(dims, p, per_channel, lora_mlp and not whole_blocks, spec.window, spec.sink_tokens)
+            if i in converted else softmax_layer_bytes(dims, p, lora_attention, lora_mlp)
+            for i in range(first, num_layers)]
+    # the hidden-state cosine holds the teacher's output of every tail layer (and float32 copies of both models')
+    cosine = len(tail) * dims.hidden * (p.residual + (2 * FLOAT32 if p.residual != FLOAT32 else 0)) \
+        if config.hidden_cosine_weight > 0 else 0
     # autocast keeps a bfloat16 copy of each float32 frozen weight whose product's backward needs it: the student's
     # projections from its first converted layer on, but for the converted attentions (which train)
     blocks = arch.blocks(hybrid)
@@ -399,6 +431,7 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
         else:  # every layer keeps its activations; the backward of one adds about as much again
             kept = tokens * (sum(tail) + max(tail)) + 2 * tail_weights
         teacher = tokens * teacher_pass_bytes(dims, p)
+        kept += tokens * cosine
         return max(teacher, kept + loss_head_bytes(dims, p, tokens)) + tokens * residual  # + the captured input
 
     rows = []
@@ -407,7 +440,10 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
     plan = Plan.from_config(config, world_size)
     if plan.stage1_steps:
         tokens = config.batch_size * config.seq_len
-        aligned = converted_attention_bytes(dims, p, per_channel)
+        if config.stage1_target == "block":  # the whole block: its norms and MLP keep theirs too (no LoRA)
+            aligned = converted_layer_bytes(dims, p, per_channel, False, spec.window, spec.sink_tokens)
+        else:
+            aligned = converted_attention_bytes(dims, p, per_channel, spec.window, spec.sink_tokens)
         records = len(layers) * (p.residual + p.compute) * dims.hidden  # each converted layer's input and target
         graphs = len(layers) if world_size > 1 else 1  # one process backpropagates one layer at a time
         activations = tokens * (records + aligned * (graphs + 1))

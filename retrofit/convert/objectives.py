@@ -71,8 +71,49 @@ class AttentionCapture:
             handle.remove()
 
 
+class BlockCapture:
+    """Records the input (hidden states and keyword arguments) and the output hidden states of selected decoder
+    blocks during one forward pass of the dense model, then stops the pass: ``records[i] = {"hidden_states": [B, T,
+    hidden], "kwargs": {...}, "target": [B, T, hidden]}`` (the model's own tensors, nothing copied)."""
+
+    def __init__(self, model: nn.Module, layers: list[int]):
+        self.layers = sorted(layers)
+        self.records: dict[int, dict] = {}
+        blocks = architecture.of(model).blocks(model)
+        self.handles = []
+        for i in self.layers:
+            self.handles.append(blocks[i].register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(blocks[i].register_forward_hook(self._post(i)))
+
+    def _pre(self, i):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.records[i] = {"hidden_states": hidden,
+                               "kwargs": {k: v for k, v in kwargs.items() if k != "hidden_states"}}
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, output):
+            self.records[i]["target"] = output[0] if isinstance(output, tuple) else output
+            if i == self.layers[-1]:
+                raise _StopForward
+        return hook
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, input_ids: torch.Tensor) -> dict[int, dict]:
+        self.records = {}
+        with contextlib.suppress(_StopForward):
+            model(input_ids=input_ids, use_cache=False)
+        return self.records
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class LayerAligner(nn.Module):
-    """Stage 1 objective: mean over the converted layers of ``||layer(x) - attention(x)||^2 / ||attention(x)||^2``."""
+    """Stage 1 objective: mean over the converted layers of ``||layer(x) - attention(x)||^2 / ||attention(x)||^2``
+    (the records of :class:`AttentionCapture`)."""
 
     def __init__(self, layers: dict[int, nn.Module]):
         super().__init__()
@@ -104,6 +145,24 @@ class LayerAligner(nn.Module):
             loss.backward()
             total += loss.detach().float()
         return total
+
+
+class BlockAligner(LayerAligner):
+    """Stage 1 objective on whole decoder blocks (``stage1_target: block``): mean over the converted layers of
+    ``||block(x) - dense_block(x)||^2 / ||dense_block(x) - x||^2``, each block (its converted attention, the dense
+    model's norms and MLP) run on the dense block's recorded input ``x`` (the records of :class:`BlockCapture`).
+
+    The error is relative to the block's own update (output minus input), not to its output: the residual stream
+    passes through both blocks unchanged and would make any error look small. Shapes: each record's
+    ``hidden_states`` and ``target`` ``[B, T, hidden]``."""
+
+    def layer_loss(self, layer: int, records: dict[int, dict]) -> torch.Tensor:
+        rec, block = records[layer], self.converted[str(layer)]
+        out = block(rec["hidden_states"], **rec["kwargs"])
+        out = out[0] if isinstance(out, tuple) else out
+        target = rec["target"].float()
+        update = target - rec["hidden_states"].float()
+        return F.mse_loss(out.float(), target) / update.pow(2).mean().clamp_min(1e-12)
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -139,7 +198,7 @@ class _ChunkedDistillation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, teacher_hidden, targets, student_head, teacher_head, temperature, ce_weight,
-                rows):
+                rows, kl_weight):
         total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
         grad = torch.empty_like(student_hidden)
         positions = student_hidden.shape[0]
@@ -152,7 +211,7 @@ class _ChunkedDistillation(torch.autograd.Function):
                 hidden = student_hidden[start:end].detach().requires_grad_(True)
                 logits = student_head(hidden).float()
                 s = F.log_softmax(logits / temperature, dim=-1)
-                loss = F.kl_div(s, t, log_target=True, reduction="sum") * (temperature ** 2 / positions)
+                loss = F.kl_div(s, t, log_target=True, reduction="sum") * (kl_weight * temperature ** 2 / positions)
                 if scored:
                     loss = loss + F.cross_entropy(logits, targets[start:end], ignore_index=-100,
                                                   reduction="sum") * (ce_weight / scored)
@@ -165,15 +224,16 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None, None, None, None, None
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None, None, None, None
 
 
 def distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: Callable,
                       teacher_head: Callable, temperature: float = 1.0, targets: torch.Tensor | None = None,
-                      ce_weight: float = 0.0, rows: int | None = None) -> torch.Tensor:
+                      ce_weight: float = 0.0, rows: int | None = None, kl_weight: float = 1.0) -> torch.Tensor:
     """Stage 2's loss from final hidden states, without a whole ``[tokens, vocab]`` logit tensor of either model:
-    ``kl_loss(student_head(student_hidden), teacher_head(teacher_hidden), temperature)``, plus ``ce_weight`` times
-    the mean next-token cross-entropy of the student's logits (at temperature 1) where ``targets`` name a token.
+    ``kl_weight * kl_loss(student_head(student_hidden), teacher_head(teacher_hidden), temperature)``, plus
+    ``ce_weight`` times the mean next-token cross-entropy of the student's logits (at temperature 1) where
+    ``targets`` name a token.
 
     Args:
         student_hidden: ``[B, T, hidden]``, differentiable; the gradient reaches it (the heads must be frozen).
@@ -199,7 +259,37 @@ def distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor
             rows = logit_chunk_rows(teacher_head(teacher_hidden.reshape(-1, hidden_size)[:1]).shape[-1])
     return _ChunkedDistillation.apply(student_hidden.reshape(-1, hidden_size), teacher_hidden.reshape(-1, hidden_size),
                                       flat_targets, student_head, teacher_head, float(temperature), float(ce_weight),
-                                      int(rows))
+                                      int(rows), float(kl_weight))
+
+
+def hidden_cosine_loss(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over decoder blocks and positions of ``1 - cos(student, teacher)``: ``student[i]`` (differentiable) and
+    ``teacher[i]`` ``[B, T, hidden]``, the output hidden states of the same block of each model -> a float32
+    scalar in [0, 2]."""
+    terms = [1 - F.cosine_similarity(s.float(), t.float(), dim=-1).mean() for s, t in zip(student, teacher)]
+    return torch.stack(terms).mean()
+
+
+class BlockOutputCapture:
+    """Keeps, during a forward pass of ``model``, the output hidden states of its decoder blocks ``first..L-1``:
+    ``outputs`` (a list ``[B, T, hidden]`` per block, in order; the model's own tensors), refilled at each pass."""
+
+    def __init__(self, model: nn.Module, first: int):
+        blocks = architecture.of(model).blocks(model)
+        self.outputs: list[torch.Tensor] = []
+        self.first = first
+        self.handles = [blocks[index].register_forward_hook(self._hook(index)) for index in range(first, len(blocks))]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if index == self.first:
+                self.outputs = []
+            self.outputs.append(output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
@@ -247,24 +337,31 @@ class StudentTail(nn.Module):
     the residual stream is one layer's, at the cost of a second forward pass of the tail.
 
     ``logits``: whether the forward ends with the LM head (False: it returns the final hidden states, and the loss
-    applies the head chunk by chunk, :func:`distillation_loss`).
+    applies the head chunk by chunk, :func:`distillation_loss`). ``block_outputs``: the forward returns
+    ``(result, [output hidden states of each layer first..L-1])`` (what :func:`hidden_cosine_loss` reads).
     """
 
-    def __init__(self, model: nn.Module, first: int, checkpoint_from: int = 0, logits: bool = True):
+    def __init__(self, model: nn.Module, first: int, checkpoint_from: int = 0, logits: bool = True,
+                 block_outputs: bool = False):
         super().__init__()
         self.model, self.first, self.checkpoint_from, self.logits = model, first, checkpoint_from, logits
+        self.block_outputs = block_outputs
         self.architecture = architecture.of(model)
 
-    def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]):
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``), each layer's keyword arguments
         (:class:`DecoderInputCapture`) -> logits ``[B, T, vocab]`` as the causal LM computes them (the family's
-        multiplier and final softcap included), or, without ``logits``, the final hidden states ``[B, T, hidden]``."""
-        final = self.final_hidden(hidden_states, layer_kwargs)
-        return self.architecture.logits(self.model, final) if self.logits else final
+        multiplier and final softcap included), or, without ``logits``, the final hidden states ``[B, T, hidden]``;
+        with ``block_outputs``, that and the list of each layer's output ``[B, T, hidden]``."""
+        outputs: list[torch.Tensor] = []
+        final = self.final_hidden(hidden_states, layer_kwargs, outputs)
+        result = self.architecture.logits(self.model, final) if self.logits else final
+        return (result, outputs) if self.block_outputs else result
 
-    def final_hidden(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict]) -> torch.Tensor:
+    def final_hidden(self, hidden_states: torch.Tensor, layer_kwargs: dict[int, dict],
+                     outputs: list | None = None) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` (input of layer ``first``) -> the final-norm output ``[B, T, hidden]``
-        that the LM head reads."""
+        that the LM head reads; each layer's output is appended to ``outputs`` where given."""
         recompute = torch.is_grad_enabled() and 0 < self.checkpoint_from <= hidden_states.shape[1]
         blocks = self.architecture.blocks(self.model)
         for index in range(self.first, len(blocks)):
@@ -274,13 +371,18 @@ class StudentTail(nn.Module):
             else:
                 out = layer(hidden_states, **kwargs)
             hidden_states = out[0] if isinstance(out, tuple) else out
+            if outputs is not None:
+                outputs.append(hidden_states)
         return self.architecture.final_norm_of(self.model)(hidden_states)
 
 
-def lora_target_names(model: nn.Module, converted: list[int], groups: list[str]) -> list[str]:
+def lora_target_names(model: nn.Module, converted: list[int], groups: list[str],
+                      whole_blocks: bool = False) -> list[str]:
     """Full module names of the projections LoRA adapts, from the first converted layer on: the attention
     projections of the layers kept softmax and the MLP's projections, as the family's architecture record names
-    them (fused q/k/v where the family fuses them; a mixture of experts' MLP is left out)."""
+    them (fused q/k/v where the family fuses them; a mixture of experts' MLP is left out). ``whole_blocks``: the
+    converted layers' blocks train whole (:func:`directly_trained_names`), so their MLP gets no adapter. The group
+    ``norms`` names no adapter (norms train whole)."""
     arch = architecture.of(model)
     config = architecture.text_config(model)
     names = []
@@ -292,10 +394,38 @@ def lora_target_names(model: nn.Module, converted: list[int], groups: list[str])
             attention = arch.attention_of(block)
             names += [f"{arch.attention_prefix(i)}{p}" for p in arch.attention_projection_names(config)
                       if _adaptable(getattr(attention, p, None))]
-        if "mlp" in groups:
+        if "mlp" in groups and not (whole_blocks and i in converted):
             mlp = getattr(block, arch.mlp)
             names += [f"{arch.block_prefix(i)}{arch.mlp}.{p}" for p in arch.mlp_projections
                       if _adaptable(getattr(mlp, p, None))]
+    return names
+
+
+def directly_trained_names(model: nn.Module, converted: list[int], groups: list[str],
+                           whole_blocks: bool = False) -> list[str]:
+    """Full names of the parameters of ``model`` (a hybrid) that stage 2 trains whole besides the converted
+    attention: with ``norms`` in ``groups``, every norm of the decoder blocks from the first converted layer on and
+    the final norm; with ``whole_blocks``, everything of the converted layers' blocks outside their attention (MLP
+    and norms). A norm is what a block holds besides its attention and MLP: its one-dimensional parameters (no
+    per-family names)."""
+    arch = architecture.of(model)
+    first = min(converted)
+    names: list[str] = []
+    for i, block in enumerate(arch.blocks(model)):
+        if i < first:
+            continue
+        for name, parameter in block.named_parameters():
+            top = name.split(".", 1)[0]
+            if top == arch.attention:
+                continue
+            whole = whole_blocks and i in converted
+            norm = "norms" in groups and top != arch.mlp and parameter.dim() == 1
+            if whole or norm:
+                names.append(f"{arch.block_prefix(i)}{name}")
+    if "norms" in groups:
+        final = arch.final_norm_of(model)
+        prefix = next(name for name, module in model.named_modules() if module is final)
+        names += [f"{prefix}.{name}" for name, _ in final.named_parameters()]
     return names
 
 

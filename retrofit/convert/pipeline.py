@@ -41,13 +41,17 @@ def _refuse_what_the_family_cannot_take(config, spec) -> None:
 
 def _refuse_layer_options_the_family_cannot_take(spec, config) -> None:
     """``use_rope`` rotates q and k as Llama does (halves, on the family's rotary channels): refused in one line for a
-    family that rotates adjacent pairs or leaves some layers unrotated."""
+    family that rotates adjacent pairs or leaves some layers unrotated. A softmax ``window`` rotates its q and k as
+    the replaced layer did, by halves too: refused for a family that rotates adjacent pairs."""
     from retrofit import architecture
 
-    if not spec.use_rope:
-        return
     arch = architecture.of(config)
     text = architecture.text_config(config)
+    if spec.window and arch.rotary_interleaved:
+        raise RetrofitError(f"layer_spec window: {arch.model_type} rotates q and k by adjacent pairs, which the "
+                            "window inside a converted layer does not reproduce; convert without window")
+    if not spec.use_rope:
+        return
     if arch.rotary_interleaved or any(layer.rotary_dims == 0 for layer in arch.layers(text)):
         raise RetrofitError(f"layer_spec use_rope: {arch.model_type} rotates q and k in a way converted layers do not "
                             "(adjacent pairs, or some layers without rotation); convert without use_rope")
@@ -254,6 +258,12 @@ def convert(model, to: str | None = None, layers: str | None = None, data: list[
             dist.destroy_process_group()  # the group this call started (left open at exit, NCCL warns of a leak)
 
 
+def _mean_of_last(losses: list[float], count: int) -> float | None:
+    """The mean of the last ``count`` step losses (None without any): steadier than the last step's alone."""
+    tail = losses[-count:]
+    return sum(tail) / len(tail) if tail else None
+
+
 def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config, spec, torch_device, out, resume,
                     overwrite, show_progress, on_step, deadline) -> Path:
     """The conversion once the model is loaded. ``config``: the settings as given (what the checkpoint fingerprint
@@ -262,7 +272,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
     from retrofit.convert.data import token_windows
     from retrofit.convert.distill import Distiller, Plan, distributed
     from retrofit.convert.build import to_hybrid
-    from retrofit.convert.selection import choose, parse_layer_spec, rank_layers, ranking_table
+    from retrofit.convert.selection import choose, explain_choice, parse_layer_spec, rank_layers, ranking_table
     from retrofit.hybrid import HybridSection, save_hybrid
     from retrofit.model_info import attention_layout, max_model_length
 
@@ -298,12 +308,14 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
         else:
             ranking = rank_layers(dense, tokenizer, windows, data, kind, select, device=torch_device,
                                   show_progress=show_progress and rank == 0)
-            chosen = choose(ranking.scores, parsed.fraction, layout.num_layers)
+            chosen = choose(ranking.scores, parsed.fraction, layout.num_layers, select.max_run)
             if rank == 0:
                 save_selection(work_dir, scored_from, chosen)
                 if show_progress:
                     print(ranking_table(ranking.scores, chosen))
                     print(ranking.summary())
+                    print(explain_choice(ranking.scores, chosen, layout.num_layers, select.retrieval_weight,
+                                         select.copy_weight, parsed.fraction, select.max_run))
     else:
         chosen = list(parsed.indices)
     import torch.distributed as dist
@@ -328,6 +340,7 @@ def _convert_loaded(dense, tokenizer, settings, kind, files, config, run_config,
                             "tokens_trained": distiller.plan.tokens_trained,
                             "final_loss_stage1": (distiller.history["stage1"] or [None])[-1],
                             "final_loss_stage2": (distiller.history["stage2"] or [None])[-1],
+                            "mean_loss_stage2_last20": _mean_of_last(distiller.history["stage2"], 20),
                             "settings": config.to_dict()}
     model.config.retrofit = section.to_dict()
     if rank == 0:

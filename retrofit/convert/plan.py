@@ -10,6 +10,8 @@ from retrofit.convert.copies import check_copy_settings
 
 PARALLEL_MODES = ("ddp", "fsdp")
 FROZEN_DTYPES = ("float32", "bfloat16")
+STAGE1_TARGETS = ("attention", "block")
+LORA_GROUPS = ("attention", "mlp", "norms")
 
 
 @dataclass
@@ -35,10 +37,28 @@ class DistillConfig:
         lr_stage1: learning rate of the new layers in stage 1.
         lr_stage2: learning rate of the new layers in stage 2.
         lr_lora: learning rate of the LoRA adapters in stage 2.
+        lr_whole: learning rate in stage 2 of the weights trained whole besides the converted attention (``norms``
+            in ``lora_targets``, ``finetune_converted_blocks``): pretrained weights changed directly, so well under
+            LoRA's rate.
         lora_rank: LoRA rank (0 = no LoRA: stage 2 trains the new layers only).
         lora_alpha: LoRA alpha.
-        lora_targets: comma list of ``attention`` (q/k/v/o of the layers kept dense) and ``mlp`` (gate/up/down).
+        lora_targets: comma list of ``attention`` (LoRA on q/k/v/o of the layers kept dense), ``mlp`` (LoRA on
+            gate/up/down) and ``norms`` (the decoder blocks' norms and the final norm, from the first converted
+            layer on: their weights are vectors, with no low-rank form, so they train whole, on the student's own
+            float32 copies, at ``lr_whole``).
+        finetune_converted_blocks: stage 2 trains the converted layers' whole decoder blocks (MLP and norms) on the
+            student's own float32 copies at ``lr_whole``, instead of LoRA on their MLP (the converted attention
+            trains in full either way). More trained parameters (SmolLM2-135M: 2.65M per block) for the blocks
+            whose attention changed most.
+        stage1_target: what stage 1 aligns: ``attention`` (each converted attention's output to the dense
+            attention's, on its recorded input) or ``block`` (each converted layer's whole decoder block, MLP
+            included, to the dense block's output hidden states: relative MSE over the block's own update, so the
+            attention learns what matters after the MLP). Only the converted attention trains in stage 1.
+        kl_weight: weight of the KL divergence from the dense model's next-token distribution in stage 2.
         ce_weight: weight of the next-token cross-entropy added to the KL loss in stage 2.
+        hidden_cosine_weight: weight of a third stage-2 term, the mean over positions and decoder blocks (from the
+            first converted layer on) of ``1 - cos(student hidden state, dense hidden state)`` at each block's output.
+            Arcee's KDA conversion weighted 0.2 CE + 0.2 KL + 0.6 cosine. 0 = off.
         copy_share: share of stage 2's windows that repeat spans of their own text further on (one copy per 1,024
             tokens; :mod:`retrofit.convert.copies`), so the KL loss covers the teacher's long-range copying. 0 = off.
         copy_span: mean length in tokens of those copies.
@@ -67,10 +87,15 @@ class DistillConfig:
     lr_stage1: float = 1e-3
     lr_stage2: float = 3e-4
     lr_lora: float = 1e-4
+    lr_whole: float = 5e-5
     lora_rank: int = 16
     lora_alpha: int = 32
     lora_targets: str = "attention,mlp"
+    finetune_converted_blocks: bool = False
+    stage1_target: str = "attention"
+    kl_weight: float = 1.0
     ce_weight: float = 0.0
+    hidden_cosine_weight: float = 0.0
     copy_share: float = 0.0
     copy_span: int = 32
     temperature: float = 1.0
@@ -88,7 +113,7 @@ class DistillConfig:
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("lr_stage1", "lr_stage2", "lr_lora", "temperature"):
+        for name in ("lr_stage1", "lr_stage2", "lr_lora", "lr_whole", "temperature"):
             if float(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_copy_settings(self.copy_share, self.copy_span)
@@ -97,6 +122,16 @@ class DistillConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lora_rank < 0 or self.checkpoint_every < 0 or self.ce_weight < 0:
             raise ValueError("lora_rank, checkpoint_every and ce_weight must be >= 0")
+        for name in ("kl_weight", "hidden_cosine_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.kl_weight + self.ce_weight + self.hidden_cosine_weight <= 0:
+            raise ValueError("kl_weight, ce_weight and hidden_cosine_weight are all 0: stage 2 would have no loss")
+        if self.stage1_target not in STAGE1_TARGETS:
+            raise ValueError(f"stage1_target must be one of {', '.join(STAGE1_TARGETS)}, got {self.stage1_target!r}")
+        if not isinstance(self.finetune_converted_blocks, bool):
+            raise ValueError(f"finetune_converted_blocks must be true or false, got {self.finetune_converted_blocks!r}")
         self.checkpoint_activations_from = _tokens_or_auto(self.checkpoint_activations_from)
         if self.frozen_dtype not in FROZEN_DTYPES:
             raise ValueError(f"frozen_dtype must be one of {', '.join(FROZEN_DTYPES)}, got {self.frozen_dtype!r}")
@@ -104,9 +139,10 @@ class DistillConfig:
             raise ValueError(f"frozen_dtype {self.frozen_dtype} needs bf16 autocast; bf16 is false")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
-        unknown = set(self.lora_target_groups()) - {"attention", "mlp"}
+        unknown = set(self.lora_target_groups()) - set(LORA_GROUPS)
         if unknown:
-            raise ValueError(f"lora_targets: unknown group(s) {', '.join(sorted(unknown))}; use attention, mlp")
+            raise ValueError(f"lora_targets: unknown group(s) {', '.join(sorted(unknown))}; use "
+                             f"{', '.join(LORA_GROUPS)}")
         self.stage2_lengths = format_lengths(self.stage2_curriculum())
 
     def lora_target_groups(self) -> list[str]:

@@ -39,6 +39,10 @@ VARIANTS (dense always runs first):
   --sparse-arg page_size=16                     extra keyword for sparse_decoding
   --variant "quest:budget=256,page_size=16"     the same as a spec string (repeatable)
   --hybrid out/smollm2-gdn                      a hybrid checkpoint (repeatable)
+  --prefill xattention --prefill-arg threshold=0.9
+                                                block-sparse prefill (repeatable; one variant each)
+  --variant "prefill:xattention:threshold=0.9+quest:budget=1024"
+                                                sparse prefill and sparse decoding in one session
 \b
 Examples:
   retrofit eval smollm2-135m --tasks wikitext2,piqa --data-dir data/eval --limit 200
@@ -108,7 +112,10 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
               help="Seeds seed..seed+N-1: items pooled into score; score_sd = sample SD of the per-seed scores.")
 @click.option("--haystack", type=click.Path(path_type=Path), default=None,
               help="Text file whose sentences replace the noise haystack of the synthetic tasks.")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Rows per forward / generate call.")
+@click.option("--batch-size", "batch_size", default="auto", show_default=True,
+              help="Rows per forward / generate call, or auto: per variant, task and context length the largest "
+                   "batch that fits (halved and the task run again if the device runs out of memory; the table's "
+                   "last row says what it chose). With --report: the conversion report's 8 unless given.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", default=None,
               help="float32, bfloat16 or float16 [default: float32 on CPU, bfloat16 on CUDA; float32 with --report]")
@@ -117,22 +124,29 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--budget", "budgets", multiple=True, type=int, metavar="N", help="Token budget (repeatable).")
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="KEY=VALUE",
               help="Extra keyword for the sparse method (repeatable).")
+@click.option("--prefill", "prefill_methods", multiple=True, metavar="METHOD",
+              help="Sparse prefill method: xattention or vertical_slash (repeatable; one variant each).")
+@click.option("--prefill-arg", "prefill_args", multiple=True, metavar="KEY=VALUE",
+              help="A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024 (repeatable).")
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
-              help='Variant spec: "METHOD:budget=N[,k=v...]", "hybrid:DIR", "convert:gdn|kda:LAYERS" (repeatable).')
+              help='Variant spec: "METHOD:budget=N[,k=v...]", "prefill:METHOD[:k=v,...]", "hybrid:DIR", '
+                   '"convert:gdn|kda:LAYERS" (repeatable).')
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG chart here.")
 @click.option("--log-samples", "samples_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write one JSON line per variant, task and item here (inputs, per-item scores, outputs).")
 def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | None, task_files: tuple[str, ...],
                  limit: int | None, seq_len: int, context_length: str, seed: int, num_seeds: int, haystack: Path | None,
-                 batch_size: int, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
-                 budgets: tuple[int, ...], sparse_args: tuple[str, ...], hybrid_dirs: tuple[str, ...],
-                 variant_specs: tuple[str, ...], json_path: Path | None, plot_path: Path | None,
-                 samples_path: Path | None) -> None:
+                 batch_size: str, device: str, dtype: str | None, sparse_methods: tuple[str, ...],
+                 budgets: tuple[int, ...], sparse_args: tuple[str, ...], prefill_methods: tuple[str, ...],
+                 prefill_args: tuple[str, ...], hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
+                 json_path: Path | None, plot_path: Path | None, samples_path: Path | None) -> None:
     from retrofit.atomic import write_json
     from retrofit.devices import default_dtype
-    from retrofit.eval.conversion_report import REPORT_DTYPE
+    from retrofit.cliargs import given
+    from retrofit.eval.batching import parse_batch_size
+    from retrofit.eval.conversion_report import REPORT_DTYPE, ReportSettings
     from retrofit.eval.runner import run_eval, write_samples
     from retrofit.eval.table import markdown_table
     from retrofit.eval.tasks import EvalSettings, build_jobs
@@ -140,14 +154,15 @@ def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | N
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
-    if batch_size <= 0:
-        raise RetrofitError(f"--batch-size must be positive, got {batch_size}")
     if report:
         tasks, context_length, num_seeds = report_options(click.get_current_context(), data_dir, seq_len,
                                                           context_length, num_seeds)
+        if not given(click.get_current_context(), "batch_size"):  # the conversion report's: its numbers again
+            batch_size = str(ReportSettings.batch_size)
     elif tasks is None:
         raise RetrofitError("name the tasks with --tasks (see retrofit eval --help), or --report for the conversion "
                             "report's")
+    batch_size = parse_batch_size(batch_size)
     if haystack is not None and not haystack.is_file():
         raise RetrofitError(f"haystack file not found: {haystack}")
     settings = EvalSettings(data_dir=data_dir, limit=limit, seq_len=seq_len,
@@ -157,7 +172,7 @@ def eval_command(model: str, tasks: str | None, report: bool, data_dir: Path | N
     refuse_unused_options(click.get_current_context(), task_names, settings)
     jobs = build_jobs(task_names, settings)
     variants = variants_from_options(list(sparse_methods), list(budgets), list(sparse_args), list(hybrid_dirs),
-                                     list(variant_specs))
+                                     list(variant_specs), list(prefill_methods), list(prefill_args))
     dtype = dtype or (REPORT_DTYPE if report else default_dtype(device))
     began = time.perf_counter()
     loaded, tokenizer = load(model, dtype=dtype, device=device)

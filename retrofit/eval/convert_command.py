@@ -76,6 +76,7 @@ def _convert_then_report(**values) -> None:
     from retrofit.eval.conversion_report import (conversion_facts, cost_line, measure_conversion, prepare_report,
                                                  report_settings, run_report)
     from retrofit.eval.table import markdown_table
+    from retrofit.memory import OutOfMemory, reported
 
     report_values = {option.name: values.pop(option.name) for option in REPORT_OPTIONS}
     if values["dry_run"]:  # the memory plan alone: nothing is converted, so nothing is reported
@@ -106,7 +107,14 @@ def _convert_then_report(**values) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    report = run_report(values["model"], out, settings, jobs, device, conversion)
+    try:
+        with reported("making the conversion report", device=device):
+            report = run_report(values["model"], out, settings, jobs, device, conversion)
+    except OutOfMemory as failure:
+        failure.advice = (f"a smaller --report-batch-size or fewer --report-context lengths; the hybrid is saved in "
+                          f"{out}, and `retrofit eval {values['model']} --hybrid {out} --report --data-dir DIR` makes "
+                          "the report alone")
+        raise
     click.echo("")
     click.echo(markdown_table(report))
     click.echo(cost_line(conversion))

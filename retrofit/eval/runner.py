@@ -8,10 +8,14 @@ from pathlib import Path
 
 from retrofit.atomic import write_text
 
+from retrofit.eval.batching import BatchSizes
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.outcome import UNITS, TaskOutcome, as_outcome, summarize, summarize_against
 from retrofit.eval.progress import variant_running
 from retrofit.eval.tasks import Job
+from retrofit.generation import release
+from retrofit.memory import release_memory
+from retrofit.model_info import model_device
 from retrofit.variants import Variant, dense
 
 
@@ -28,6 +32,8 @@ class EvalReport:
     config: dict[str, object] = field(default_factory=dict)
     dense_by_construction: dict[str, list[str]] = field(default_factory=dict)
     samples: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
+    batch_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    batch_auto: bool = False
 
     @property
     def variants(self) -> list[str]:
@@ -38,9 +44,13 @@ class EvalReport:
                 "throughput": self.throughput, "config": self.config}
 
 
-def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_size: int = 8,
+def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_size: int | str = 8,
              config: dict[str, object] | None = None) -> EvalReport:
     """Prepare the jobs once (items/tokenization), then run them under ``dense`` and each variant in turn.
+
+    ``batch_size``: rows per forward / generate call, or ``"auto"``: per variant and job the largest batch that fits
+    (:mod:`retrofit.eval.batching`; ``report.batch_sizes`` says what each job ran at). Each variant's kept engine
+    state is freed before the next variant allocates its own (:func:`retrofit.generation.release`).
 
     A variant's results carry the paired delta to dense per metric. A ``decode_only`` variant (sparse decoding) on
     a ``prefill_only`` job takes dense's outcome (sparse decoding leaves every forward pass over a prompt
@@ -50,23 +60,31 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
     for job in jobs:
         job.prepare(model, tokenizer)
     report = EvalReport(config=dict(config or {}))
+    batches = BatchSizes.of(batch_size)
     dense_outcomes: dict[str, TaskOutcome] = {}
     for variant in [dense(), *variants]:
         throughput = Throughput()
         results: dict[str, dict[str, float]] = {}
         samples: dict[str, list[dict]] = {}
         with variant.open(model, tokenizer) as evaluated, variant_running(variant.name):
-            for job in jobs:
-                if variant.decode_only and job.prefill_only:  # no decode step: dense's numbers, by construction
-                    outcome = dense_outcomes[job.key]
-                else:
-                    outcome = as_outcome(job.run(evaluated, tokenizer, batch_size, throughput))
-                if variant.name == "dense":
-                    dense_outcomes[job.key] = outcome
-                    results[job.key] = summarize(outcome)
-                else:
-                    results[job.key] = summarize_against(outcome, dense_outcomes[job.key])
-                samples[job.key] = outcome.samples
+            try:
+                for job in jobs:
+                    if variant.decode_only and job.prefill_only:  # no decode step: dense's numbers, by construction
+                        outcome = dense_outcomes[job.key]
+                    else:
+                        outcome = as_outcome(batches.run(job, variant.name, evaluated, tokenizer, throughput))
+                    if variant.name == "dense":
+                        dense_outcomes[job.key] = outcome
+                        results[job.key] = summarize(outcome)
+                    else:
+                        results[job.key] = summarize_against(outcome, dense_outcomes[job.key])
+                    samples[job.key] = outcome.samples
+            finally:
+                # the engine state kept for the variant's model (its static cache and captured step) is freed while
+                # the variant is still open, so that none of it is alive when the next variant allocates its own
+                release(evaluated)
+        del evaluated  # a variant's own model (a loaded hybrid) is unreachable from here on
+        release_memory(model_device(model))
         report.results[variant.name] = results
         report.samples[variant.name] = samples
         unchanged = [job.key for job in jobs if variant.decode_only and job.prefill_only]
@@ -74,6 +92,8 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
             report.dense_by_construction[variant.name] = unchanged
         report.throughput[variant.name] = {"tokens": float(throughput.tokens), "seconds": throughput.seconds,
                                            "tokens_per_s": throughput.tokens_per_second}
+    report.batch_sizes, report.batch_auto = batches.chosen, batches.auto
+    report.config["batch_sizes"] = batches.chosen
     return report
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from retrofit.eval import stats
+from retrofit.eval.batching import described
 from retrofit.eval.outcome import FRACTION_METRICS, TOKEN_METRICS, is_primary
 from retrofit.eval.runner import EvalReport
 
@@ -106,4 +107,7 @@ def markdown_table(report: EvalReport) -> str:
         speed_cells.append("- (no task of its own: = dense)" if math.isnan(speed)
                            else f"{speed:.1f} ({speed / dense_speed:.2f}x)")
     lines.append("| tokens/s | " + " | ".join(speed_cells) + " |")
+    if report.batch_auto:
+        lines.append("| batch size (auto) | " + " | ".join(described(report.batch_sizes.get(variant, {}))
+                                                           for variant in variants) + " |")
     return "\n".join(lines)

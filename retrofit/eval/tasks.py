@@ -18,6 +18,7 @@ from typing import Callable
 
 from retrofit.errors import RetrofitError
 from retrofit.eval import cpu_time, fidelity, lambada, multiple_choice, perplexity, synthetic
+from retrofit.eval.batching import RowShape
 from retrofit.eval.generation import greedy_generate
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.outcome import MeanMetric, TaskOutcome
@@ -70,12 +71,16 @@ class Job:
 
     ``prefill_only``: the task is scored from forward passes alone (perplexity, multiple choice, LAMBADA), never a
     decode step, so a variant that changes decode steps only (sparse decoding) gives dense's numbers by
-    construction and is not run on it."""
+    construction and is not run on it.
+
+    ``shape`` (after ``prepare``): how many rows the job batches and how long the longest is, for ``--batch-size
+    auto``'s first guess (:mod:`retrofit.eval.batching`); None: no guess, auto starts small."""
 
     key: str
     run: Callable[..., TaskOutcome | dict[str, float]]
     prepare: Callable[[object, object], None] = lambda model, tokenizer: None
     prefill_only: bool = False
+    shape: Callable[[], RowShape] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,10 @@ def _perplexity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
             nlls = perplexity.window_nlls(model, state["windows"], batch_size, desc=task, throughput=throughput)
             return perplexity.perplexity_outcome(nlls, settings.seq_len)
 
-        return [Job(task, run, prepare, prefill_only=True)]
+        def shape() -> RowShape:
+            return RowShape(len(state["windows"]), settings.seq_len)
+
+        return [Job(task, run, prepare, prefill_only=True, shape=shape)]
     return jobs
 
 
@@ -127,7 +135,10 @@ def _fidelity_jobs(name: str, path_of: Callable[[EvalSettings], Path]):
             run.prompts = fidelity.cut_prompts(tokenizer, perplexity.read_text(path),
                                                settings.limit or fidelity.DEFAULT_PROMPTS)
 
-        return [Job(task, run, prepare)]
+        def shape() -> RowShape:
+            return RowShape(len(run.prompts), fidelity.PROMPT_TOKENS, fidelity.NEW_TOKENS)
+
+        return [Job(task, run, prepare, shape=shape)]
     return jobs
 
 
@@ -139,7 +150,11 @@ def _multiple_choice_jobs(loader: Callable[[Path, int | None], list], path_of: C
             _, scores = multiple_choice.evaluate_multiple_choice(model, tokenizer, items, batch_size, task, throughput)
             return multiple_choice.outcome_from_scores(items, scores)
 
-        return [Job(task, run, prefill_only=True)]
+        def shape() -> RowShape:  # characters bound tokens from above: a guess on the safe side
+            return RowShape(sum(len(item.choices) for item in items),
+                            max(len(item.query) + 1 + len(choice) for item in items for choice in item.choices))
+
+        return [Job(task, run, prefill_only=True, shape=shape)]
     return jobs
 
 
@@ -150,7 +165,10 @@ def _lambada_jobs(task: str, settings: EvalSettings) -> list[Job]:
         return lambada.lambada_outcome(items, lambada.score_lambada(model, tokenizer, items, batch_size, task,
                                                                     throughput))
 
-    return [Job(task, run, prefill_only=True)]
+    def shape() -> RowShape:  # characters bound tokens from above: a guess on the safe side
+        return RowShape(len(items), max(len(item.context) + 1 + len(item.continuation) for item in items))
+
+    return [Job(task, run, prefill_only=True, shape=shape)]
 
 
 def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
@@ -174,7 +192,11 @@ def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
                                       items[0].max_new_tokens, batch_size, f"{task}@{length}", throughput)
             return _synthetic_outcome(task, items, outputs, settings.num_seeds > 1)
 
-        jobs.append(Job(f"{task}@{length}", run, prepare))
+        def shape(state=state) -> RowShape:
+            items = state["items"]
+            return RowShape(len(items), max(len(item.prompt_ids) for item in items), items[0].max_new_tokens)
+
+        jobs.append(Job(f"{task}@{length}", run, prepare, shape=shape))
     return jobs
 
 

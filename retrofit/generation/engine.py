@@ -11,7 +11,7 @@ device at most once every ``stop_check_every`` tokens (have all rows finished? w
 
 Attention: the engine runs the model's softmax layers through its own attention function while it works. Prefill
 chunks run the model's own implementation (SDPA, eager, ...) over the positions written so far, with transformers'
-masks. A decode token attends over the static buffer through ``retrofit.kernels.sparse_decode_attention`` with a
+masks (block-sparse where a ``retrofit.sparse_prefill`` is open on the model: ``prefill_or_dense``). A decode token attends over the static buffer through ``retrofit.kernels.sparse_decode_attention`` with a
 selection of every block (the kernel reads only each row's valid positions ``[row_start, written)``; GQA reads each
 key once per group); where the kernels run their PyTorch paths (the CPU), through SDPA with the mask of that range. Inside ``retrofit.sparse_decoding`` the session's layers go to the session, which selects.
 
@@ -39,10 +39,10 @@ from retrofit.generation.sampling import TokenChooser
 from retrofit.kernels import backend_for
 from retrofit.kernels.sparse_decode import sparse_decode_attention
 from retrofit.model_info import attention_layout
-from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
-                                                 mask_function_of)
+from retrofit.sparse.attention_functions import attention_function, mask_function_of
 from retrofit.sparse.cache import SparseLayer
 from retrofit.sparse.patch import SparseSession, active_session
+from retrofit.sparse.prefill.patch import own_implementation, prefill_or_dense
 from retrofit.static_cache import RingLayer, ring_selection, static_layers
 
 CAPACITY_QUANTUM = 256  # cache lengths are rounded up to a multiple of this: one graph per bucket, not per length
@@ -104,7 +104,7 @@ class StaticGeneration:
         self.cache = self._new_cache()
         self.cache_argument = cache_keyword(model)
         self.implementation = (self.session.original_implementation if self.session is not None
-                               else implementation_of(model))
+                               else own_implementation(model))
         self.base_mask = mask_function_of(model)
         self.all_blocks: AllBlocks | None = None
         self.positions_of_buffer: torch.Tensor | None = None
@@ -172,10 +172,11 @@ class StaticGeneration:
             if isinstance(layer, RingLayer):  # the ring's keys [kv_offset, chunk_end): those columns of the mask
                 if attention_mask is not None:
                     attention_mask = attention_mask[..., layer.kv_offset: self.chunk_end]
-                return dense_attention(self.implementation, module, query, key, value, attention_mask, **kwargs)
+                return prefill_or_dense(self.model, self.implementation, module, query, key, value, attention_mask,
+                                        **kwargs)
             end = self.chunk_end
-            return dense_attention(self.implementation, module, query, key[:, :, :end], value[:, :, :end],
-                                   attention_mask, **kwargs)
+            return prefill_or_dense(self.model, self.implementation, module, query, key[:, :, :end],
+                                    value[:, :, :end], attention_mask, **kwargs)
         softcap = self.layout.layers[module.layer_idx].softcap
         if isinstance(layer, RingLayer):
             return self.ring_decode_attention(layer, query[:, :, 0], kwargs.get("scaling"), softcap)[:, None], None

@@ -11,7 +11,7 @@ from retrofit.generation.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_STOP_CHECK
 from retrofit.generation.graphs import CapturedStep, warm_up
 from retrofit.generation.inputs import SamplingOptions, checked_prompt, eos_token_ids
 from retrofit.generation.inputs import pad_token_id as default_pad_token_id
-from retrofit.generation.kept import KeptGeneration, keep, reuse_key, take
+from retrofit.generation.kept import KeptGeneration, captured_and_dropped, keep, reuse_key, take
 from retrofit.generation.sampling import TokenChooser
 from retrofit.model_info import attention_layout
 from retrofit.sparse.patch import active_session
@@ -163,4 +163,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         # keyed by the weights where the kept step reads them: installing the fused layers may have moved some into
         # merged buffers during this call (they stay there, so the next call's key matches this one)
         keep(model, KeptGeneration(reuse_key(model, step_options), generation, loop.captured))
+    elif loop.captured is not None:
+        del loop
+        captured_and_dropped(generation.device)
     return tokens

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from retrofit.generation.engine import StaticGeneration
-from retrofit.generation.graphs import CapturedStep
+from retrofit.generation.graphs import CapturedStep, free_capture_workspaces
 
 
 @dataclass
@@ -68,6 +68,13 @@ def release(model) -> bool:
     return True
 
 
+def captured_and_dropped(device: torch.device) -> None:
+    """After a call that captured a decode step it does not keep: free what the capture left behind (cuBLAS
+    workspaces, :func:`~retrofit.generation.graphs.free_capture_workspaces`) when no kept graph could need it."""
+    if not _KEPT:
+        free_capture_workspaces(device)
+
+
 def kept_generation(model) -> KeptGeneration | None:
     """The state kept for ``model`` (None if none), e.g. to check which buffers the next call will reuse."""
     return _KEPT.get(model)
@@ -75,4 +82,6 @@ def kept_generation(model) -> KeptGeneration | None:
 
 def _free_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
+        if not _KEPT:  # no kept graph left that a capture's workspace could serve
+            free_capture_workspaces(device)
         torch.cuda.empty_cache()

@@ -75,7 +75,8 @@ def register() -> None:
 
 def install_linear_layers(model, section: HybridSection) -> None:
     """Put a fresh GDN/KDA layer where the attention module of every layer in ``section.layers`` is (the family's
-    architecture record says where)."""
+    architecture record says where and, for a softmax window inside the layer, how the replaced layer scaled,
+    softcapped and rotated)."""
     from retrofit import architecture
     from retrofit.layers import LAYER_TYPES, AttentionShape, LinearAttentionSpec
 
@@ -83,9 +84,11 @@ def install_linear_layers(model, section: HybridSection) -> None:
     arch = architecture.for_type(section.base_model_type)
     shape = AttentionShape.from_config(model.config)
     spec = LinearAttentionSpec.from_dict(section.layer_spec)
+    facts = arch.layers(architecture.text_config(model.config))
     for i in section.layers:
         param = next(arch.attention_module(model, i).parameters())
-        arch.replace_attention(model, i, layer_cls(shape, i, spec).to(device=param.device, dtype=param.dtype))
+        layer = layer_cls(shape, i, spec, attention=facts[i])
+        arch.replace_attention(model, i, layer.to(device=param.device, dtype=param.dtype))
 
 
 def hybrid_config(dense_config, section: HybridSection):

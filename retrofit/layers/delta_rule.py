@@ -4,11 +4,13 @@ Per token: q, k, v projections -> short causal conv (SiLU) -> L2-normalised q, k
 ``beta = sigmoid(W_b x)`` and the log decay ``g = -exp(A_log) * softplus(decay_logits(x) + dt_bias)`` (per kv head,
 or per key channel) -> per-head RMSNorm gated by ``sigmoid(output_gate_logits(x))`` -> W_o. GQA keeps one state per
 key-value head; the query heads of a group read it. A decode token with its states in the cache runs the steps
-after the conv as one kernel (``delta_rule_decode_step``) and the gated norm as another.
+after the conv as one kernel (``delta_rule_decode_step``) and the gated norm as another. With ``window`` set
+(``LinearAttentionSpec``), a short softmax window of the dense attention's own q, k, v is mixed in before W_o
+(``window.py``).
 """
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -22,7 +24,11 @@ from retrofit.kernels import (
 )
 from retrofit.layers.modules import GatedRMSNorm, ProjectionNorm, ShortConvolution, rotate
 from retrofit.layers.spec import AttentionShape, LinearAttentionSpec
-from retrofit.layers.state import cache_states, padding_mask, store_states
+from retrofit.layers.state import cache_states, keep_window_ring, padding_mask, store_states, window_ring
+from retrofit.layers.window import decode_window, near_share, prefill_window
+
+if TYPE_CHECKING:
+    from retrofit.architecture import LayerAttention
 
 
 class DeltaRuleAttention(nn.Module):
@@ -36,6 +42,10 @@ class DeltaRuleAttention(nn.Module):
     single-token decode; ``retrofit.kernels`` runs each on Triton or its PyTorch path) and ``per_key_decay``, and
     implements ``_build_gates`` (``A_log`` [H_kv] and ``dt_bias`` [H_kv] or [H_kv * head_dim] among them),
     ``reset_gates``, ``decay_logits``, ``output_gate_logits`` and ``gate_input_projections``.
+
+    ``attention``: the replaced layer's facts from its family's architecture record (scaling, logit softcap, rotated
+    channels), which a softmax window (``spec.window``) computes with; without it, ``head_dim ** -0.5``, no softcap
+    and the shape's rotary channels.
     """
 
     layer_kind: ClassVar[str] = ""
@@ -43,7 +53,8 @@ class DeltaRuleAttention(nn.Module):
     recurrent_op: ClassVar[Callable]
     per_key_decay: ClassVar[bool] = False
 
-    def __init__(self, shape: AttentionShape, layer_idx: int, spec: LinearAttentionSpec | None = None):
+    def __init__(self, shape: AttentionShape, layer_idx: int, spec: LinearAttentionSpec | None = None,
+                 attention: "LayerAttention | None" = None):
         super().__init__()
         spec = spec or LinearAttentionSpec()
         self.shape, self.layer_idx, self.spec = shape, layer_idx, spec
@@ -62,6 +73,12 @@ class DeltaRuleAttention(nn.Module):
         self.conv = ShortConvolution((hq + 2 * hk) * d, spec.conv_size)
         self.b_proj = nn.Linear(hidden, hk, bias=True)
         self.o_norm = GatedRMSNorm(hq, d)
+        self.window, self.sink_tokens = spec.window, spec.sink_tokens
+        if self.window:  # c(x), the mean logit of the keys out of the window, per query head (window.py)
+            self.far_logit_proj = nn.Linear(hidden, hq, bias=True)
+            self.window_scale = attention.scaling if attention is not None else d ** -0.5
+            self.window_softcap = attention.softcap if attention is not None else None
+            self.window_rotates = bool(attention.rotary_dims if attention is not None else shape.rotary_dims)
         self._build_gates()
         self.reset_parameters()
 
@@ -78,6 +95,9 @@ class DeltaRuleAttention(nn.Module):
             self.k_norm.reset_parameters()
         with torch.no_grad():
             self.o_norm.weight.fill_(1.0)
+            if self.window:  # until calibrated (retrofit.convert.init): far keys' logits as large as near ones
+                self.far_logit_proj.weight.zero_()
+                self.far_logit_proj.bias.zero_()
         self.reset_gates()
 
     # ----- what a layer type defines -----
@@ -108,9 +128,10 @@ class DeltaRuleAttention(nn.Module):
         raise NotImplementedError
 
     def input_projections(self) -> list[nn.Linear]:
-        """Every projection of the layer's input ``x``: q, k, v, b and the gates' (a decode engine may run them as
-        one GEMM over their weights' rows in one buffer)."""
-        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_input_projections()]
+        """Every projection of the layer's input ``x``: q, k, v, b, the gates' and the window's far logits (a
+        decode engine may run them as one GEMM over their weights' rows in one buffer)."""
+        window = [self.far_logit_proj] if self.window else []
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_input_projections(), *window]
 
     # ----- the gates, from the logits -----
     def decay(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +153,7 @@ class DeltaRuleAttention(nn.Module):
 
         ``attention_mask`` (2-D or 4-D, as transformers passes it) only marks padding: a padded position is made an
         identity step of the recurrence (k = v = 0, beta = 0, g = 0) and outputs zeros. A decode token (T = 1, with
-        states in the cache) updates the cache's conv and recurrent states in place.
+        states in the cache) updates the cache's conv and recurrent states (and a window's ring) in place.
         """
         cache = next((given for given in (cache, past_key_values, layer_past) if given is not None), None)
         x = hidden_states
@@ -143,15 +164,18 @@ class DeltaRuleAttention(nn.Module):
         # a decode token is always a real one (generation feeds finished rows a pad token marked real), so a step
         # reads no mask: no host read per layer and step
         keep = None if decode else padding_mask(attention_mask, B, T, x.device)
-        in_place = decode and conv_state is not None  # the cache's states advance in place: nothing allocated
+        continuing = conv_state is not None  # the cache holds this layer's states from earlier tokens
+        in_place = decode and continuing  # the cache's states advance in place: nothing allocated
 
-        qkv = _joined_columns(self._normed(self.q_proj(x), self.k_proj(x)) + [self.v_proj(x)])
+        projected = self._normed(self.q_proj(x), self.k_proj(x)) + [self.v_proj(x)]
+        qkv = _joined_columns(projected)
         if keep is not None:
             qkv = qkv * keep[..., None].to(qkv.dtype)
         if in_place:
             qkv = self.conv_step_in_place(qkv, conv_state)
             if not self.spec.use_rope:
-                return self._decode_after_conv(x, qkv, recurrent_state), None
+                o = self._decode_after_conv(x, qkv, recurrent_state)
+                return self._output(o, x, projected, position_embeddings, keep, cache, True, True), None
         else:
             qkv, conv_state = self.conv(qkv, conv_state, decode=decode)
         if keep is not None:
@@ -175,7 +199,51 @@ class DeltaRuleAttention(nn.Module):
             if cache is not None:
                 store_states(cache, self.layer_idx, conv_state, recurrent_state)
         o = self.o_norm(o, self.output_gate(x))
-        return self.o_proj(o.reshape(B, T, hq * d)), None
+        return self._output(o, x, projected, position_embeddings, keep, cache, continuing, in_place), None
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor, projected: list[torch.Tensor], position_embeddings,
+                keep: torch.Tensor | None, cache, continuing: bool, in_place: bool) -> torch.Tensor:
+        """The gated-norm output ``o [B, T, H_q, head_dim]``, mixed with the softmax window where the layer has one
+        (its q, k, v from ``projected``, the q/k-normed projections ``[B, T, H * head_dim]``), through W_o ->
+        ``[B, T, hidden]``. ``continuing``: the cache held this layer's states before this call; ``in_place``: a
+        decode token advancing them in place."""
+        B, T, _ = x.shape
+        if self.window:
+            near, share = self.window_attention(x, projected, position_embeddings, keep, cache, continuing, in_place)
+            o = o + share[..., None].to(o.dtype) * (near.to(o.dtype) - o)
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+
+    def window_qkv(self, projected: list[torch.Tensor], position_embeddings
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The window's q ``[B, T, H_q, head_dim]``, k, v ``[B, T, H_kv, head_dim]``: the projections as the dense
+        attention uses them (q/k norm, then the model's rotary embedding where the replaced layer rotates)."""
+        q, k, v = projected
+        B, T, _ = q.shape
+        q, k, v = (t.reshape(B, T, -1, self.head_dim) for t in (q, k, v))
+        if self.window_rotates and position_embeddings is not None:
+            q, k = rotate(q, k, position_embeddings)
+        return q, k, v
+
+    def window_attention(self, x: torch.Tensor, projected: list[torch.Tensor], position_embeddings,
+                         keep: torch.Tensor | None, cache, continuing: bool, in_place: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The softmax window's output ``[B, T, H_q, head_dim]`` and its share ``m`` of the layer's output
+        ``[B, T, H_q]`` (``retrofit.layers.window``); the cache's ring is read (when ``continuing``) and advanced
+        (in place for a decode token, ``in_place``)."""
+        q, k, v = self.window_qkv(projected, position_embeddings)
+        ring = window_ring(cache, self.layer_idx) if continuing else None
+        if continuing and ring is None:
+            raise RuntimeError(f"layer {self.layer_idx}: the cache holds this layer's states but no window ring (its "
+                               "prefill ran without the layer's window)")
+        if in_place:
+            near, lse, index = decode_window(q, k, v, ring, self.window_scale, self.window_softcap)
+        else:
+            near, lse, index, after = prefill_window(q, k, v, keep, ring, self.window, self.sink_tokens,
+                                                     self.window_scale, self.window_softcap)
+            if cache is not None:
+                keep_window_ring(cache, self.layer_idx, after)
+        share = near_share(lse, index, self.far_logit_proj(x), self.window, self.sink_tokens)
+        return near, share
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
         """q ``[B, T, H_q * head_dim]``, k ``[B, T, H_kv * head_dim]`` through the dense attention's q/k norm, if it
@@ -190,17 +258,17 @@ class DeltaRuleAttention(nn.Module):
                 self.k_norm(k.view(B, T, -1, self.head_dim)).view(B, T, -1)]
 
     def _decode_after_conv(self, x: torch.Tensor, qkv: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
-        """A decode token after its conv: x ``[B, 1, hidden]``, qkv ``[B, 1, (H_q + 2 H_kv) head_dim]`` ->
-        ``[B, 1, hidden]``, the cache's ``recurrent_state [B, H_kv, head_dim, head_dim]`` updated in place. The same
-        math as the general path (norms, gates, recurrence, gated norm) in two kernels where that path runs about
-        thirty."""
+        """A decode token after its conv: x ``[B, 1, hidden]``, qkv ``[B, 1, (H_q + 2 H_kv) head_dim]`` -> the
+        gated-norm output ``[B, 1, H_q, head_dim]`` (before W_o), the cache's ``recurrent_state [B, H_kv, head_dim,
+        head_dim]`` updated in place. The same math as the general path (norms, gates, recurrence, gated norm) in two
+        kernels where that path runs about thirty."""
         B = x.shape[0]
         hq, d = self.num_heads, self.head_dim
         o = delta_rule_decode_step(qkv[:, 0], self.decay_logits(x)[:, 0], self.b_proj(x)[:, 0], self.A_log,
                                    self.dt_bias, recurrent_state, hq, self.per_key_decay, self.decay_lower_bound)
         gate_logits = self.output_gate_logits(x).view(B, hq, d)
         o = sigmoid_gated_rms_norm(o, gate_logits, self.o_norm.weight, self.o_norm.eps)
-        return self.o_proj(o.reshape(B, 1, hq * d))
+        return o.view(B, 1, hq, d)
 
     def conv_step_in_place(self, qkv: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """The short conv of one decode token ``qkv [B, 1, D]``, rolling the cache's ``conv_state [B, D, W-1]`` in
@@ -211,15 +279,21 @@ class DeltaRuleAttention(nn.Module):
 
     def state_bytes(self, batch: int = 1) -> int:
         """Bytes this layer's cache holds per ``batch`` sequences, whatever their length: the float32 recurrent
-        state ``[H_kv, head_dim, head_dim]`` and the conv state ``[(H_q + 2 H_kv) head_dim, conv_size - 1]``."""
+        state ``[H_kv, head_dim, head_dim]``, the conv state ``[(H_q + 2 H_kv) head_dim, conv_size - 1]`` and, with a
+        window, its ring: keys and values of ``window + sink_tokens`` tokens, the slots' indices and the count."""
         element = self.q_proj.weight.element_size()
         recurrent = self.num_kv_heads * self.head_dim * self.head_dim * 4
         conv = self.conv.channels * (self.conv.width - 1) * element
-        return batch * (recurrent + conv)
+        ring = 0
+        if self.window:
+            ring = 2 * (self.window + self.sink_tokens) * self.num_kv_heads * self.head_dim * element
+            ring += 8 * (self.window + 1)
+        return batch * (recurrent + conv + ring)
 
     def extra_repr(self) -> str:
+        window = f", window={self.window}, sinks={self.sink_tokens}" if self.window else ""
         return (f"kind={self.layer_kind}, layer_idx={self.layer_idx}, heads={self.num_heads}, "
-                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{window}")
 
 
 def _joined_columns(blocks: list[torch.Tensor]) -> torch.Tensor:

@@ -20,6 +20,13 @@ class LinearAttentionSpec:
         gate_lower_bound: KDA's per-channel log decay is clamped from below at this value (kernel numerics).
         use_rope: apply the dense model's rotary embedding to q, k before the kernel (off in GDN / KDA).
         expand_kv: give every query head its own key/value head (more state) instead of one state per kv head.
+        window: keys of a short softmax window inside the layer, beside its delta-rule state: each query also
+            attends, with the dense attention's own q, k, v, rotation and scaling, to its last ``window`` tokens
+            (itself included), and the two outputs are mixed by the window's share of the attention mass
+            (``retrofit.layers.window``). Decode keeps a ring of those keys and values in the cache: memory and
+            time per token stay constant. 0 = no window (the layer is pure delta rule).
+        sink_tokens: the first tokens of a sequence that every query of a windowed layer sees too (StreamingLLM's
+            attention sinks); only with ``window`` > 0.
     """
 
     conv_size: int = 4
@@ -31,6 +38,8 @@ class LinearAttentionSpec:
     gate_lower_bound: float = -5.0
     use_rope: bool = False
     expand_kv: bool = False
+    window: int = 0
+    sink_tokens: int = 0
 
     def __post_init__(self):
         if self.conv_size < 2:
@@ -43,6 +52,12 @@ class LinearAttentionSpec:
                 raise ValueError(f"{name} must be in (0, 1), got {value}")
         if self.gate_lower_bound >= 0:
             raise ValueError(f"gate_lower_bound must be negative, got {self.gate_lower_bound}")
+        for name in ("window", "sink_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.sink_tokens and not self.window:
+            raise ValueError(f"sink_tokens {self.sink_tokens} needs a window (window > 0)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,8 +1,14 @@
 """Padding and cache plumbing of the linear-attention layers: which positions are real tokens, and where a layer's
-conv and recurrent states live in a transformers ``Cache`` (its linear-attention cache layers)."""
+conv and recurrent states (and a softmax window's ring) live in a transformers ``Cache`` (its linear-attention cache
+layers)."""
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from retrofit.layers.window import WindowRing
+
+RING_ATTRIBUTE = "retrofit_window_ring"  # where a linear-attention cache layer holds a windowed layer's ring
 
 
 def padding_mask(attention_mask, batch: int, length: int, device) -> torch.Tensor | None:
@@ -59,3 +65,37 @@ def _linear_cache_layer(cache, layer_idx: int):
     if not isinstance(layers[layer_idx], LinearAttentionCacheLayerMixin):
         layers[layer_idx] = LinearAttentionLayer()
     return layers[layer_idx]
+
+
+def window_ring(cache, layer_idx: int) -> WindowRing | None:
+    """The ring a windowed layer keeps in the cache's layer ``layer_idx`` (:class:`WindowRing`), or None."""
+    if cache is None:
+        return None
+    return getattr(_linear_cache_layer(cache, layer_idx), RING_ATTRIBUTE, None)
+
+
+def keep_window_ring(cache, layer_idx: int, ring: WindowRing) -> None:
+    """Hold ``ring`` in the cache's layer ``layer_idx``: copied into the ring held there when its buffers fit (so a
+    captured decode step keeps reading them where they are, e.g. a generation reusing its cache after ``reset()``),
+    else held as it is. The cache layer becomes a :class:`WindowedLinearAttentionLayer`, which moves the ring's rows
+    with the states' when a search reorders the batch."""
+    layer = _linear_cache_layer(cache, layer_idx)
+    if type(layer) is LinearAttentionLayer:  # the same object (a captured step may hold it), the ring's behaviour
+        layer.__class__ = WindowedLinearAttentionLayer
+    held = getattr(layer, RING_ATTRIBUTE, None)
+    if held is not None and held.fits(ring):
+        held.copy_(ring)
+    else:
+        setattr(layer, RING_ATTRIBUTE, ring)
+
+
+class WindowedLinearAttentionLayer(LinearAttentionLayer):
+    """transformers' linear-attention cache layer holding a windowed layer's ring too (``retrofit_window_ring``):
+    beam search's reordering of the batch moves the ring's rows with the conv and recurrent states'."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        ring = getattr(self, RING_ATTRIBUTE, None)
+        if ring is not None:
+            for tensor in ring.tensors():
+                tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))

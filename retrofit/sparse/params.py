@@ -1,4 +1,5 @@
-"""``--sparse-arg k=v`` strings -> keyword arguments of a sparse method, typed by its dataclass fields."""
+"""``--sparse-arg k=v`` strings -> keyword arguments of a sparse method, typed by its dataclass fields; the kernel
+choices a sparse session takes."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,6 +7,9 @@ from typing import Any
 from retrofit.cliargs import coerce, parse_pairs
 from retrofit.errors import RetrofitError
 from retrofit.sparse.registry import METHODS, PARAMETER, method_fields
+
+# kernel=... of sparse_decoding and sparse_prefill -> the kernels' backend for the session's ops
+KERNELS = {"auto": "auto", "triton": "triton", "reference": "torch"}
 
 
 def parse_sparse_args(args: list[str] | tuple[str, ...], method: str | None = None) -> dict[str, Any]:

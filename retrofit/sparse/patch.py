@@ -7,8 +7,8 @@ Inside the context (and only there):
 - a forward pre-hook on the model puts a ``SparseCache`` in place of a missing or empty ``DynamicCache`` (this is
   how plain ``model.generate(...)`` and forward calls pick it up).
 
-The attention function runs the original implementation for prefill (dense, bit-identical) and for layers a method
-keeps dense; for a single decode token it asks the method which cache blocks to read and runs the shared
+The attention function runs the original implementation for prefill (dense, bit-identical; block-sparse where a
+``sparse_prefill`` is open on the model, or ``prefill=`` names a method) and for layers a method keeps dense; for a single decode token it asks the method which cache blocks to read and runs the shared
 sparse-decode kernel on them. On exit everything is undone (also on exceptions).
 """
 from __future__ import annotations
@@ -25,16 +25,15 @@ from retrofit.errors import RetrofitError
 from retrofit.kernels import use_backend
 from retrofit.kernels.sparse_decode import sparse_decode_attention
 from retrofit.model_info import attention_layout
-from retrofit.sparse.attention_functions import (attention_function, dense_attention, implementation_of,
-                                                 softmax_attention_layers)
+from retrofit.sparse.attention_functions import attention_function, softmax_attention_layers
 from retrofit.sparse.cache import SparseCache, SparseLayer
 from retrofit.sparse.contract import SparseMethod
 from retrofit.sparse.methods.common import all_blocks
+from retrofit.sparse.params import KERNELS
+from retrofit.sparse.prefill.patch import own_implementation, prefill_or_dense, routed_prefill, sparse_prefill
 from retrofit.sparse.registry import build_method
 from retrofit.static_cache import static_layers
 
-# sparse_decoding(kernel=...) -> the kernels' backend for the session's per-step ops
-KERNELS = {"auto": "auto", "triton": "triton", "reference": "torch"}
 
 _ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, SparseSession]" = weakref.WeakKeyDictionary()
 
@@ -57,13 +56,15 @@ class SparseSession:
         text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.config = text_config
         self.num_layers = text_config.num_hidden_layers
-        self.original_implementation = implementation_of(model)
+        self.original_implementation = own_implementation(model)
         self.layout = attention_layout(model)
 
     def new_cache(self, capacity: int | None = None) -> SparseCache:
         """A fresh ``SparseCache`` for this model and method (pass it as ``past_key_values``); with ``capacity`` a
         static one, every buffer preallocated for that many positions (what ``retrofit.generate`` uses; the layers
-        the method leaves are the engine's own, :func:`retrofit.static_cache.static_layers`)."""
+        the method leaves are the engine's own, :func:`retrofit.static_cache.static_layers`). The session lets go of
+        its previous cache first, so that the two are never held at once."""
+        self.cache = None
         base = static_layers(self.model, capacity) if capacity is not None else None
         return SparseCache(self.config, self.method, list(self.layers), self.num_layers, capacity, base)
 
@@ -80,7 +81,9 @@ class SparseSession:
 
     # -- the attention function ----------------------------------------------------------------------------------
     def dense(self, module, query, key, value, attention_mask, **kwargs):
-        return dense_attention(self.original_implementation, module, query, key, value, attention_mask, **kwargs)
+        """The model's own attention (a prefill call through an open ``sparse_prefill``)."""
+        return prefill_or_dense(self.model, self.original_implementation, module, query, key, value, attention_mask,
+                                **kwargs)
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """Attention interface: query [B, Hq, T, D], key/value [B, Hkv, N, D] -> ([B, T, Hq, D], None)."""
@@ -158,7 +161,8 @@ class SparseSession:
 @contextmanager
 def sparse_decoding(
     model: torch.nn.Module, method: str = "quest", budget: int | str = 2048, kernel: str = "auto",
-    layers: Iterable[int] | str | None = None, **params: Any
+    layers: Iterable[int] | str | None = None, prefill: str | None = None, prefill_args: dict[str, Any] | None = None,
+    **params: Any
 ) -> Iterator[SparseSession]:
     """Apply a training-free sparse decoding method to ``model`` inside a ``with`` block.
 
@@ -169,12 +173,16 @@ def sparse_decoding(
     ``method``: a registered name (``retrofit.sparse.METHODS.names()``); ``budget``: tokens read per kv head per
     decode step; ``params``: the method's fields (strings from the CLI are converted); ``kernel``: "auto" (Triton on
     CUDA, the PyTorch reference on CPU), "triton" or "reference"; ``layers``: restrict the method to these layer
-    indices (default: every softmax-attention layer; the others stay dense). The model is restored exactly on exit.
+    indices (default: every softmax-attention layer; the others stay dense); ``prefill``: a sparse prefill method
+    (``retrofit.sparse.prefill``, e.g. "xattention") run on the prompt in the same session, with ``prefill_args``
+    (its ``threshold``, ``min_length``, ...). The model is restored exactly on exit.
     """
     if kernel not in KERNELS:
         raise RetrofitError(f"kernel={kernel!r} is invalid: choose from {', '.join(KERNELS)}")
     if model in _ACTIVE:
         raise RetrofitError("sparse_decoding is already open on this model: close it before opening another")
+    if prefill_args and prefill is None:
+        raise RetrofitError("prefill_args needs prefill=METHOD (a sparse prefill method, e.g. 'xattention')")
     sparse_method = build_method(method, budget, **params)
     attention_layout(model).require_interface("sparse decoding")
     attention = softmax_attention_layers(model)
@@ -196,6 +204,9 @@ def sparse_decoding(
     session = SparseSession(model, sparse_method, attention, kernel)
     sparse_method.bind(session.config)  # settings that follow the model (Quest's page size, random Seer gates)
     with ExitStack() as undo:
+        undo.enter_context(routed_prefill(model))
+        if prefill is not None:
+            undo.enter_context(sparse_prefill(model, prefill, **{"kernel": kernel, **(prefill_args or {})}))
         _ACTIVE[model] = session
         undo.callback(_ACTIVE.pop, model, None)
         undo.enter_context(attention_function(model, session.attention, "sparse"))
