@@ -27,7 +27,7 @@ DIR --report` makes the same report for an existing hybrid."""
 CONVERT_EXAMPLES = """
 \b
 Examples:
-  retrofit convert smollm2-135m --recipe smollm2-135m/gdn-8of30 --data ../shared/data/calib --out hyb/ \\
+  retrofit convert smollm2-135m --recipe smollm2-135m/kda-8of30-50m-b16 --data ../shared/data/calib --out hyb/ \\
       --device cuda --report-data-dir ../shared/data/eval
   retrofit convert smollm2-135m --recipe smollm2-135m/cpu-small --data ../shared/data/calib --out hyb/ \\
       --report-data-dir ../shared/data/eval --report-context 2k --report-seeds 2 --report-limit 4
