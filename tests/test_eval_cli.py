@@ -139,7 +139,9 @@ def test_sparse_variant_plugs_in_and_leaves_prefill_scores_alone(eval_data_dir, 
     assert sparse_piqa["acc_delta"] == 0.0 and sparse_piqa["acc_delta_stderr"] == 0.0
     assert payload["dense_by_construction"] == {"streaming@64": ["piqa"]}
     assert "| piqa acc (%), n=3 |" in result.stdout and "= dense (by construction)" in result.stdout
-    assert result.stdout.splitlines()[-1].endswith(" | - (no task of its own: = dense) |")
+    speed = next(line for line in result.stdout.splitlines() if line.startswith("| tokens/s |"))
+    assert speed.endswith(" | - (no task of its own: = dense) |"), speed
+    assert re.fullmatch(r"\| batch size \(auto\) \| \d+ \| - \|", result.stdout.splitlines()[-1])  # ran none
     records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert [(r["variant"], r["item"]) for r in records] == [("dense", 0), ("dense", 1), ("dense", 2),
                                                            ("streaming@64", 0), ("streaming@64", 1),

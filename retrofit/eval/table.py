@@ -108,6 +108,6 @@ def markdown_table(report: EvalReport) -> str:
                            else f"{speed:.1f} ({speed / dense_speed:.2f}x)")
     lines.append("| tokens/s | " + " | ".join(speed_cells) + " |")
     if report.batch_auto:
-        lines.append("| batch size (auto) | " + " | ".join(described(report.batch_sizes.get(variant, {}))
-                                                           for variant in variants) + " |")
+        lines.append("| batch size (auto) | " + " | ".join(described(report.batch_sizes.get(variant, {})) or "-"
+                                                           for variant in variants) + " |")  # -: ran no task
     return "\n".join(lines)
