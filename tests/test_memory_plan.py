@@ -205,8 +205,9 @@ def test_activation_estimates_match_what_autograd_keeps(smollm2, layer_inputs):
 
 
 def test_kept_buffers_per_token_and_head_are_the_kernel_figures():
-    """At head dim 128 in bfloat16 (README, Training through the chunk kernels): GDN keeps T^-1 (256), W (256),
-    the chunk states (512), V' (256) and G (4); KDA adds its per-channel G, M, P, the decayed queries and keys."""
+    """At head dim 128 in bfloat16 (docs/conversion.md, Training through the chunk kernels): GDN keeps T^-1 (256),
+    W (256), the chunk states (512), V' (256) and G (4); KDA adds its per-channel G, M, P, the decayed queries and
+    keys."""
     dims = Dims(4096, 14336, 32, 8, 128, 128256, 8)
     assert delta_rule_kept_bytes(dims, per_channel=False, low_precision=True) == 1284
     assert delta_rule_kept_bytes(dims, per_channel=True, low_precision=True) == 1536 + 512 + 256 + 4 * (128 + 256)
