@@ -35,6 +35,18 @@ def test_the_pages_are_there():
     assert all(path.is_file() for path in PAGES)
 
 
+def test_the_front_pages_stay_short():
+    """A front page, not a notebook: the README within 220 lines, BENCHMARKS.md's current figures within 250 (the
+    history lies in benchmarks/history/), each area of the current figures under its own heading."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 220
+    lines = (ROOT / "BENCHMARKS.md").read_text().splitlines()
+    current = lines[lines.index("## Current figures"):lines.index("## History")]
+    assert len(current) <= 250, len(current)
+    areas = [line[4:] for line in current if line.startswith("### ")]
+    assert {"Conversion", "Conversion at 7-8B scale", "Architectures", "Long context (Qwen2.5-0.5B)",
+            "Sparse prefill", "Hybrid levers", *AREAS} <= set(areas), areas
+
+
 def _links(path: Path) -> list[str]:
     return [target for target in LINK.findall(path.read_text())
             if not re.match(r"[a-z]+:", target) and not target.startswith("#")]
