@@ -1,8 +1,9 @@
 """The `retrofit` command line: convert, generate, eval, bench, inspect, ... (installed as ``retrofit.commands.cli``)."""
 from __future__ import annotations
 
+import importlib
 import sys
-import time
+from pathlib import Path
 
 import click
 
@@ -11,6 +12,25 @@ from retrofit.errors import RetrofitError
 
 MODEL_HELP = ("A local model directory, a .gguf file, a hub id (org/name), or an alias: smollm2-135m, qwen2.5-0.5b or "
               "gemma3-270m (fetched once; `retrofit inspect ALIAS` names its licence).")
+
+
+# The commands that live beside their feature: name -> (module, command object, the line `retrofit --help` lists).
+# A command's module is imported only when that command runs or shows its own help, so that `retrofit --help`,
+# `retrofit --version` and the commands defined here import no model library before they need one.
+COMMANDS = {
+    "bench": ("retrofit.bench.command", "bench_command", "Latency, tokens/s and memory vs context length."),
+    "convert": ("retrofit.eval.convert_command", "convert_command",
+                "Convert layers to GDN/KDA, distil, save; then dense vs hybrid on held-out data."),
+    "eval": ("retrofit.eval.command", "eval_command",
+             "Accuracy of dense vs variants (ppl, multiple choice, RULER-style)."),
+    "gates": ("retrofit.sparse.methods.seer.command", "gates_command",
+              "Train SeerAttention's decode gates for a frozen model."),
+    "lm-eval": ("retrofit.harness.command", "lm_eval_command",
+                "lm-evaluation-harness with retrofit models (sparse, hybrid) and local tasks."),
+    "lm-eval-task": ("retrofit.harness.command", "lm_eval_task_command",
+                     "Write a synthetic long-context task for lm-eval (--include_path)."),
+    "select": ("retrofit.convert.command", "select_command", "Rank a model's layers by the cost of converting each."),
+}
 
 
 # What to try when a command runs out of memory (its line names the device and the allocation that failed).
@@ -31,7 +51,27 @@ DEFAULT_OUT_OF_MEMORY_ADVICE = "a smaller setting or another --device"
 class RetrofitGroup(click.Group):
     """Bad input of any kind ends in one line on stderr and exit code 2: a :class:`RetrofitError` (retrofit's own
     checks), click's usage errors (a missing or malformed option), and running out of memory (a setting too large
-    for the device: the line names the device, the work and what to try; :mod:`retrofit.memory`) alike."""
+    for the device: the line names the device, the work and what to try; :mod:`retrofit.memory`) alike. The commands
+    of :data:`COMMANDS` are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMANDS:
+            module, attribute, short_help = COMMANDS[name]
+            command = getattr(importlib.import_module(module), attribute)
+            command.short_help = short_help
+            self.add_command(command, name)
+        return self.commands.get(name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list of ``--help``, without importing the commands of :data:`COMMANDS`."""
+        limit = formatter.width - 6 - max(len(name) for name in self.list_commands(ctx))
+        rows = [(name, self.commands[name].get_short_help_str(limit) if name in self.commands else COMMANDS[name][2])
+                for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -100,15 +140,20 @@ def inspect(model: str, device: str, dtype: str) -> None:
 
 
 @main.command(help="Generate from MODEL with retrofit's decode engine (static cache; on CUDA the decode step is "
-                   "replayed as a CUDA graph), streaming the text to stdout; tokens/s on stderr at the end.\n\nMODEL: "
+                   "replayed as a CUDA graph), streaming the text to stdout; on stderr at the end, the prefill (the "
+                   "prompt's tokens and their time to the first new token) and the decode steps after it, each with "
+                   "its tokens/s.\n\nMODEL: "
                    + MODEL_HELP + "\n\n\b\nExamples:\n  retrofit generate smollm2-135m --chat --prompt "
                    "\"What is the capital of France?\"\n  retrofit generate smollm2-135m --prompt \"Once upon a time\" "
                    "--temperature 0.8 --top-p 0.95 --seed 1\n  retrofit generate smollm2-135m --prompt \"...\" "
                    "--sparse quest --budget 1024\n  retrofit generate smollm2-135m --prompt \"...\" --prefill xattention "
-                   "--prefill-arg threshold=0.9",
+                   "--prefill-arg threshold=0.9\n  retrofit generate qwen2.5-0.5b --prompt-file notes.txt "
+                   "--max-new-tokens 64",
               short_help="Generate text (dense, hybrid, sparse prefill or sparse decoding).")
 @click.argument("model")
-@click.option("--prompt", required=True, help="The text to continue (or the user message with --chat).")
+@click.option("--prompt", default=None, help="The text to continue (or the user message with --chat).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Read the prompt from this UTF-8 text file instead of --prompt.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float,
@@ -127,9 +172,10 @@ def inspect(model: str, device: str, dtype: str) -> None:
 @click.option("--prefill-arg", "prefill_args", multiple=True, metavar="K=V",
               help="A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024. Repeatable.")
 @model_options
-def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperature: float, top_p: float | None,
-             seed: int | None, sparse_method: str | None, budget: int, sparse_args: tuple[str, ...],
-             prefill_method: str | None, prefill_args: tuple[str, ...], device: str, dtype: str) -> None:
+def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: bool, max_new_tokens: int,
+             temperature: float, top_p: float | None, seed: int | None, sparse_method: str | None, budget: int,
+             sparse_args: tuple[str, ...], prefill_method: str | None, prefill_args: tuple[str, ...], device: str,
+             dtype: str) -> None:
     from contextlib import nullcontext
 
     from retrofit.generation import SamplingOptions, stream_generate
@@ -141,8 +187,13 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
 
     # bad options fail before the model is loaded
     refuse_without(click.get_current_context(), {"budget": (sparse_method is not None, "--sparse METHOD")})
+    if (prompt is None) == (prompt_file is None):
+        raise RetrofitError("give the text to continue as --prompt TEXT or --prompt-file PATH (one of them)")
+    if prompt_file is not None:
+        prompt = prompt_file.read_text(encoding="utf-8")
     if not prompt.strip():
-        raise RetrofitError("--prompt is empty: give the text to continue")
+        raise RetrofitError(f"{'--prompt' if prompt_file is None else f'--prompt-file {prompt_file}'} is empty: "
+                            "give the text to continue")
     if max_new_tokens <= 0:
         raise RetrofitError(f"--max-new-tokens must be a positive number of tokens, got {max_new_tokens}")
     if temperature < 0:
@@ -177,23 +228,8 @@ def generate(model: str, prompt: str, chat: bool, max_new_tokens: int, temperatu
         patch = sparse_prefill(loaded, method=prefill_method, **prefill_params)
     else:
         patch = nullcontext()
-    started = time.perf_counter()
     what = f"generating {max_new_tokens} tokens" + (f" with {sparse_method}@{budget}" if sparse_method else "")
     with reported(what, device=next(loaded.parameters()).device), patch:
-        new_tokens = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
-                                     out=sys.stdout, **sampling)
-    seconds = time.perf_counter() - started
-    click.echo(f"\n[{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s]", err=True)
-
-
-# Commands that live beside their feature register here, once they work.
-from retrofit.bench.command import bench_command  # noqa: E402
-from retrofit.convert.command import select_command  # noqa: E402
-from retrofit.eval.command import eval_command  # noqa: E402
-from retrofit.eval.convert_command import convert_command  # noqa: E402  (the conversion, then its report)
-from retrofit.harness.command import lm_eval_command, lm_eval_task_command  # noqa: E402
-from retrofit.sparse.methods.seer.command import gates_command  # noqa: E402
-
-for _command in (convert_command, select_command, eval_command, bench_command, gates_command, lm_eval_command,
-                 lm_eval_task_command):
-    main.add_command(_command)
+        streamed = stream_generate(loaded, tokenizer, prompt, chat=chat, max_new_tokens=max_new_tokens,
+                                   out=sys.stdout, **sampling)
+    click.echo(f"\n[{streamed.summary()}]", err=True)

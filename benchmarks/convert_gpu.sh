@@ -4,7 +4,7 @@
 # and check that sparse decoding on its remaining softmax layers at budget >= context equals the hybrid alone.
 #
 #   bash benchmarks/convert_gpu.sh RECIPE OUT_DIR CALIB_DIR EVAL_DIR [MAX_MINUTES] [extra convert options...]
-#     RECIPE       e.g. smollm2-135m/gdn-8of30
+#     RECIPE       e.g. smollm2-135m/kda-8of30-50m-b16
 #     OUT_DIR      where the hybrid checkpoint goes; a paused run (exit 3) resumes when called again
 #     MAX_MINUTES  checkpoint and stop after this many minutes of training (default 8)
 # Logs and JSON land in $OUT (default ./out) under the checkpoint's name.

@@ -25,8 +25,8 @@ one graph per token); where the kernels run on Triton also ``retrofit-unfused`` 
 own decoder layers); on CUDA also ``retrofit-eager`` / ``retrofit-unfused-eager``, the same steps launched without
 the graph (``cuda_graph=False``),
 whose kernel launches per token are the kernels the graph holds (for this tiny model's
-shapes: cuBLAS may pick other kernels, e.g. split-K reductions, at Llama-3-8B's). Results in BENCHMARKS.md,
-"Current figures > End-to-end generation".
+shapes: cuBLAS may pick other kernels, e.g. split-K reductions, at Llama-3-8B's). Results in
+benchmarks/history/figures-2026-12-06.md, "Decode overhead per token", and BENCHMARKS.md, "End-to-end generation".
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ rename) and prints the plan and the prediction.
 
     python benchmarks/distill_step.py --device cuda --random --batch-size 16 --grad-accum 1 \\
         --layers 3-6,9,11-13,16,24-29 --json STEPS.json
-    python benchmarks/tokens_for_minutes.py --steps STEPS.json --recipe recipes/smollm2-135m/kda-15of30-b16.yaml \\
+    python benchmarks/tokens_for_minutes.py --steps STEPS.json --recipe recipes/smollm2-135m/kda-15of30-copyrank.yaml \\
         --minutes 18.5 --fixed-seconds 115 --out SIZED.yaml
 
 On 2026-12-04 the step times of ``distill_step.py`` ran 10% over those of the conversion that followed (stage 1 107

@@ -31,14 +31,16 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from retrofit.atomic import atomic_path
-from retrofit.devices import parse_device, parse_dtype
 from retrofit.errors import RetrofitError
 from retrofit.gguf_files import parsed_once
 from retrofit.memory import is_out_of_memory, reported
 from retrofit.model_files import check_model_dir, read_config
+
+if TYPE_CHECKING:
+    import torch
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -110,6 +112,8 @@ def load(source: str | os.PathLike, dtype: str | torch.dtype | None = "float32",
     one-line message on any bad input, and :class:`~retrofit.memory.OutOfMemory` (one too) when the weights do not
     fit.
     """
+    from retrofit.devices import parse_device, parse_dtype  # torch: imported when a model is loaded, not before
+
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
     source = str(source)
@@ -288,6 +292,7 @@ def _exclusive(lock_path: Path):
 def _convert_packaged(gguf_path: Path, target: Path) -> None:
     """GGUF -> float32 safetensors directory ``target``, written in a staging directory and renamed into place."""
     print(f"retrofit: converting {gguf_path.name} to {target} (once)", file=sys.stderr)
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with parsed_once():

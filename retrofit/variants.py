@@ -185,8 +185,8 @@ def convert(layer_type: str, layers: str) -> Variant:
         try:
             check_base_type(model.config.model_type)
             parsed = parse_layer_spec(layers, model.config.num_hidden_layers, sliding_layers_of(model.config))
-        except RetrofitError as error:
-            raise RetrofitError(f"--variant {name}: {error}") from None
+        except RetrofitError as error:  # the layer spec's own words name convert's flag, not this one
+            raise RetrofitError(f"--variant {name}: {str(error).replace('bad --layers ', 'layers ', 1)}") from None
         if parsed.needs_scoring:
             raise RetrofitError(f"--variant {name}: a scored fraction needs calibration data; name the layers "
                                 "(0,2,4, every:K or not:SPEC) or convert with `retrofit convert`")

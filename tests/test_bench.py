@@ -336,3 +336,37 @@ def test_composed_variant_sparsifies_the_converted_hybrids_softmax_layers():
         point = measure_point(opened, variant.name, context=40, batch=1, decode_tokens=3)
     assert point.error is None and point.decode_s_per_token > 0
     assert active_session(opened) is None  # closed with the variant
+
+
+def test_the_help_example_on_the_reference_model_runs(tmp_path):
+    """The `retrofit bench --help` example a CPU can run (the reference model's shapes, 4 layers) runs as printed."""
+    import shlex
+
+    from retrofit.bench.command import BENCH_HELP
+
+    text = BENCH_HELP.replace("\\\n", " ")
+    (example,) = [line.strip() for line in text.splitlines() if line.strip().startswith("retrofit bench smollm2-135m")]
+    args = shlex.split(example)[1:] + ["--device", "cpu", "--repeats", "1", "--warmup", "0",
+                                       "--json", str(tmp_path / "b.json")]
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    variants = [point["variant"] for point in json.loads((tmp_path / "b.json").read_text())["results"]]
+    assert variants == ["dense"] * 2 + ["convert:gdn:not:every:4"] * 2 + ["quest@64"] * 2  # batch 1 and 2 each
+
+
+def test_default_contexts_that_do_not_fit_are_left_out_and_named(tmp_path):
+    """The defaults (1k, 4k, 16k) on a model of 8,192 positions: 16k is left out with a line saying so."""
+    result = run("bench", "smollm2-135m", "--layers", "1", "--decode-tokens", "2", "--device", "cpu", "--repeats", "1",
+                 "--warmup", "0", "--json", str(tmp_path / "b.json"))
+    assert result.exit_code == 0, result.output
+    assert "contexts of 16,384 tokens left out of the defaults: over the model's 8,192 positions" in result.stderr
+    contexts = [point["context"] for point in json.loads((tmp_path / "b.json").read_text())["results"]]
+    assert contexts == [1024, 4096]
+
+
+def test_a_bad_convert_variant_names_the_variant_not_convert_s_layers_flag():
+    result = run("bench", "smollm2-135m", "--layers", "2", "--context", "64", "--device", "cpu",
+                 "--variant", "convert:gdn:not:every:4")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("retrofit: error: --variant convert:gdn:not:every:4: layers 'every:4'")
+    assert "--layers" not in result.stderr

@@ -87,7 +87,7 @@ def test_held_out_check_finds_copies_and_contained_text(tmp_path, eval_data_dir,
 
 
 def test_eval_report_expands_to_the_reports_tasks_lengths_and_seeds(eval_data_dir):
-    command = cli_module().main.commands["eval"]
+    command = cli_module().main.get_command(None, "eval")
 
     def expanded(*args):
         context = command.make_context("eval", ["smollm2-135m", "--report", "--data-dir", str(eval_data_dir), *args])

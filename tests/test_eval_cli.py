@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from _cli_runner import assert_one_line_error, run
@@ -122,9 +123,10 @@ def test_table_says_dense_by_construction_and_shows_a_broken_one():
 
 
 def test_sparse_variant_plugs_in_and_leaves_prefill_scores_alone(eval_data_dir, tmp_path):
-    """Sparse decoding changes decode steps only; multiple choice is scored by prefill, so the variant must give
-    exactly dense's numbers: a measured delta of 0 with stderr 0, listed as dense by construction, and the table
-    says so instead of printing the 0. --log-samples writes one line per variant and item."""
+    """Sparse decoding changes decode steps only; multiple choice is scored by prefill, so the variant takes dense's
+    numbers without running again (tests/test_sparse_decoding.py holds each method to bit-identical forward passes):
+    a delta of 0 with stderr 0, listed as dense by construction, and the table says so instead of printing the 0; its
+    tokens/s says it ran nothing of its own. --log-samples writes one line per variant and item."""
     out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     result = run("eval", "smollm2-135m", "--tasks", "piqa", "--data-dir", str(eval_data_dir), "--limit", "3",
                  "--device", "cpu", "--sparse", "streaming", "--budget", "64", "--json", str(out),
@@ -137,6 +139,9 @@ def test_sparse_variant_plugs_in_and_leaves_prefill_scores_alone(eval_data_dir, 
     assert sparse_piqa["acc_delta"] == 0.0 and sparse_piqa["acc_delta_stderr"] == 0.0
     assert payload["dense_by_construction"] == {"streaming@64": ["piqa"]}
     assert "| piqa acc (%), n=3 |" in result.stdout and "= dense (by construction)" in result.stdout
+    speed = next(line for line in result.stdout.splitlines() if line.startswith("| tokens/s |"))
+    assert speed.endswith(" | - (no task of its own: = dense) |"), speed
+    assert re.fullmatch(r"\| batch size \(auto\) \| \d+ \| - \|", result.stdout.splitlines()[-1])  # ran none
     records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert [(r["variant"], r["item"]) for r in records] == [("dense", 0), ("dense", 1), ("dense", 2),
                                                            ("streaming@64", 0), ("streaming@64", 1),
@@ -181,3 +186,12 @@ def test_hybrid_variant_loads_a_saved_checkpoint(smollm2, eval_data_dir, tmp_pat
     dense_ppl, hybrid_ppl = (results[name][f"ppl:{text}"]["ppl"] for name in results)
     assert 1 < dense_ppl < 1000 and 1 < hybrid_ppl < 1e6
     assert abs(hybrid_ppl - dense_ppl) / dense_ppl > 1e-3  # an untrained GDN layer is not the attention it replaced
+
+
+def test_progress_bars_name_the_variant_they_run():
+    """Each task's bar is named VARIANT: TASK, dense's and each variant's apart."""
+    result = run("eval", "smollm2-135m", "--tasks", "passkey", "--context-length", "512", "--limit", "1",
+                 "--device", "cpu", "--sparse", "streaming", "--budget", "64")
+    assert result.exit_code == 0, result.output
+    names = set(re.findall(r"([\w@.-]+: passkey@512): +\d+%", result.stderr))
+    assert names == {"dense: passkey@512", "streaming@64: passkey@512"}, result.stderr

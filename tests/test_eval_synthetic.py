@@ -6,8 +6,8 @@ import pytest
 
 from retrofit.errors import RetrofitError
 from retrofit.eval.generation import greedy_generate
-from retrofit.eval.synthetic import (NOISE, SYNTHETIC_TASKS, Haystack, SyntheticItem, generate_items,
-                                     insert_at_depths, item_scores, score_outputs, seed_spread)
+from retrofit.eval.synthetic import (ITEMS_PER_SEED, NOISE, SYNTHETIC_TASKS, Haystack, SyntheticItem, generate_items,
+                                     insert_at_depths, item_scores, score_outputs, seed_spread, sweep_slot)
 
 TASK_NAMES = SYNTHETIC_TASKS.names()
 
@@ -41,15 +41,32 @@ def test_generation_is_deterministic_per_seed(smollm2, task):
     assert first[0].answers != first[1].answers  # items within a seed differ too
 
 
-def test_needle_depth_sweeps_the_haystack(smollm2):
+def test_needle_depth_follows_the_sweep_order(smollm2):
+    """The first items of a seed spread over the haystack: depth 0, 1, 9/19, 14/19, 4/19."""
     _, tokenizer = smollm2
     items = generate_items("passkey", tokenizer, 2048, seeds=[0], num_items=5)
     offsets = []
     for item in items:
         text = tokenizer.decode(list(item.prompt_ids))
         offsets.append(text.index(f"The pass key is {item.answers[0]}") / len(text))
-    assert offsets == sorted(offsets)
-    assert offsets[0] < 0.1 and offsets[-1] > 0.85  # depth 0% near the start, 100% at the end of the haystack
+    assert [item.index for item in items] == [0, 19, 9, 14, 4]
+    # the needle's place in the whole prompt, whose instructions and question add a few percent around the haystack
+    assert offsets == pytest.approx([0, 1, 9 / 19, 14 / 19, 4 / 19], abs=0.05)
+
+
+def test_fewer_items_are_the_first_items_of_more():
+    """Any count of items per seed starts with the same items: `--limit N` takes the first N of the task."""
+    assert [sweep_slot(position) for position in range(3)] == [(0, 0.0), (19, 1.0), (9, 9 / 19)]
+    one_sweep = sorted(sweep_slot(position) for position in range(ITEMS_PER_SEED))
+    assert one_sweep == [(index, index / 19) for index in range(20)]  # 20 items: every depth i/19 once
+    assert sweep_slot(20) == (20, 0.0) and sweep_slot(21) == (39, 1.0)  # the next sweep: new items, same depths
+
+
+def test_the_first_items_of_a_run_are_a_longer_runs_first_items(smollm2):
+    _, tokenizer = smollm2
+    short = generate_items("niah_single", tokenizer, 512, seeds=[0, 1], num_items=2)
+    long = generate_items("niah_single", tokenizer, 512, seeds=[0, 1], num_items=5)
+    assert short == long[:2] + long[5:7]  # seed by seed
 
 
 def test_haystack_file_replaces_noise(smollm2, eval_data_dir):

@@ -106,7 +106,8 @@ def test_streamer_gets_the_generated_text(smollm2):
     produced = stream_generate(model, tokenizer, PROMPTS[1], chat=False, max_new_tokens=20, out=out)
     ids = tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     expected = _hf(model, tokenizer, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 20)
-    assert produced == expected.shape[1] - ids.shape[1]
+    assert (produced.prompt_tokens, produced.new_tokens) == (ids.shape[1], expected.shape[1] - ids.shape[1])
+    assert produced.prefill_seconds > 0 and produced.decode_seconds > 0
     assert out.getvalue() == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
 
 

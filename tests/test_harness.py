@@ -25,10 +25,15 @@ def lm_eval(tmp_path: Path, *args: str) -> dict:
     """`retrofit lm-eval ARGS --output_path OUT` in a fresh offline process; returns lm-eval's results JSON."""
     out = tmp_path / "lm-eval-out"
     tmp_path.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **OFFLINE}
+    # the checkout's retrofit, whichever one the interpreter's install points to
+    env = {**os.environ, **OFFLINE,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     completed = subprocess.run([str(RETROFIT), "lm-eval", *args, "--device", "cpu", "--output_path", str(out)],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3000)
     assert completed.returncode == 0, completed.stderr[-3000:]
+    # neither git's complaint outside a repository nor HFLM's about being handed a model object reaches the user
+    assert "fatal: not a git repository" not in completed.stderr
+    assert "is not of type `str`" not in completed.stderr
     (results,) = out.glob("*/results_*.json")
     return json.loads(results.read_text())
 
@@ -158,6 +163,31 @@ def test_sparse_decoding_runs_through_lm_eval_on_a_written_passkey_task(tmp_path
     assert dense_score == 1.0
     assert outputs("dense") != outputs("sparse")
     assert sparse["config"]["model_args"]["sparse"] == "streaming"
+
+
+@pytest.mark.slow
+def test_retrofit_eval_and_lm_eval_score_the_same_first_items_of_a_long_context_task(tmp_path):
+    """`--limit 4` takes the first 4 items in both: `retrofit eval --limit 4` and lm-eval's `--limit 4` on the task
+    `retrofit lm-eval-task` wrote (its 20 items a seed) read the same 4 prompts and give each the same output and
+    score. StreamingLLM at 128 tokens keeps only the sinks and the last window, so the scores differ by item."""
+    samples = tmp_path / "samples.jsonl"
+    ours = run_cli("eval", "smollm2-135m", "--tasks", "passkey", "--context-length", "1k", "--limit", "4",
+                   "--sparse", "streaming", "--budget", "128", "--batch-size", "4", "--device", "cpu",
+                   "--log-samples", str(samples))
+    assert ours.exit_code == 0, ours.output
+    written = run_cli("lm-eval-task", "passkey", "smollm2-135m", "--context-length", "1k", "--out", str(tmp_path / "t"))
+    assert "retrofit_passkey_1024: 20 items" in written.stdout, written.output
+    theirs = lm_eval(tmp_path / "run", "--model", "retrofit", "--model_args",
+                     "pretrained=smollm2-135m,sparse=streaming,budget=128", "--include_path", str(tmp_path / "t"),
+                     "--tasks", "retrofit_passkey_1024", "--limit", "4", "--log_samples", "--batch_size", "4")
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    mine = [(r["seed"], r["index"], r["output"], r["score"]) for r in records if r["variant"] != "dense"]
+    (lm_eval_samples,) = (tmp_path / "run" / "lm-eval-out").glob("*/samples_retrofit_passkey_1024_*.jsonl")
+    lm_evals = sorted((json.loads(line) for line in lm_eval_samples.read_text().splitlines()),
+                      key=lambda sample: sample["doc_id"])
+    assert [(s["doc"]["seed"], s["doc"]["index"], s["resps"][0][0], s["score"]) for s in lm_evals] == mine
+    assert [index for _, index, _, _ in mine] == [0, 19, 9, 14]  # the needle at 0%, 100%, 47% and 74% deep
+    assert len({score for *_, score in mine}) == 2, mine  # some items read, some lost: the items tell apart
 
 
 def test_written_task_holds_retrofit_evals_prompts(smollm2, tmp_path):

@@ -25,7 +25,7 @@ def run_cli():
     from retrofit._entry import cli_module
 
     cli = cli_module()
-    group = cli.RetrofitGroup(commands={"convert": cli.main.commands["convert"]})
+    group = cli.RetrofitGroup(commands={"convert": cli.main.get_command(None, "convert")})
 
     def run(*args):
         return CliRunner().invoke(group, ["convert", *map(str, args)])
@@ -205,8 +205,9 @@ def test_activation_estimates_match_what_autograd_keeps(smollm2, layer_inputs):
 
 
 def test_kept_buffers_per_token_and_head_are_the_kernel_figures():
-    """At head dim 128 in bfloat16 (README, Training through the chunk kernels): GDN keeps T^-1 (256), W (256),
-    the chunk states (512), V' (256) and G (4); KDA adds its per-channel G, M, P, the decayed queries and keys."""
+    """At head dim 128 in bfloat16 (docs/conversion.md, Training through the chunk kernels): GDN keeps T^-1 (256),
+    W (256), the chunk states (512), V' (256) and G (4); KDA adds its per-channel G, M, P, the decayed queries and
+    keys."""
     dims = Dims(4096, 14336, 32, 8, 128, 128256, 8)
     assert delta_rule_kept_bytes(dims, per_channel=False, low_precision=True) == 1284
     assert delta_rule_kept_bytes(dims, per_channel=True, low_precision=True) == 1536 + 512 + 256 + 4 * (128 + 256)
@@ -226,3 +227,28 @@ def test_a_run_over_its_device_memory_is_refused_before_the_model_loads(calib_da
         convert("smollm2-135m", recipe="smollm2-135m/cpu-small", data=[str(calib_data_dir)], out=tmp_path / "o",
                 device="cpu", device_memory="1GiB", show_progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_conversion_prints_its_plan_before_it_trains(run_cli, calib_data_dir, tmp_path):
+    """Without --quiet, `retrofit convert` opens with the --dry-run table (what it will hold, decided before any
+    weight loads), then trains and ends with its summary."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_cli("smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--data", calib_data_dir / "walden.txt",
+                         "--tokens", "512", "--seq-len", "64", "--batch-size", "4", "--stage1-fraction", "0.5",
+                         "--checkpoint-every", "0", "--device", "cpu", "--no-report", "--out", tmp_path / "hybrid")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("memory plan: smollm2-135m, 2 of 30 layers to gdn (13,22; the student runs layers 13-29); "
+                        "1 process(es)")
+    dry_run = run_cli("smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--tokens", "512", "--seq-len", "64",
+                      "--batch-size", "4", "--stage1-fraction", "0.5", "--device", "cpu", "--dry-run")
+    plan_lines = dry_run.stdout.strip().splitlines()
+    # the very table --dry-run prints, but for the memory free on the CPU at the time (its last line)
+    assert lines[:len(plan_lines) - 1] == plan_lines[:-1] and lines[len(plan_lines) - 1].startswith("peak 1.13 GiB")
+    # peft's read of transformers' deprecated `is_gradient_checkpointing` (at LoRA's start) is not shown to users
+    assert not [warning for warning in caught if "is_gradient_checkpointing" in str(warning.message)]
+    assert lines.index("| hybrid | layer type | converted layers | tokens | minutes (all parts) | peak memory (GiB, "
+                       "the largest part's) |") > len(plan_lines)

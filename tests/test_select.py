@@ -463,3 +463,19 @@ def test_select_command_prints_the_ranking_within_its_memory_bound(calib_data_di
                      r"[\d.]+\)(, |$)){22}", printed, flags=re.M)
     assert re.search(r"^(longest run of converted layers: \d+ \(\d+-\d+\)|no two converted layers in a row)$",
                      printed, flags=re.M)
+
+
+def test_the_kl_probes_bar_counts_layers(smollm2, ranked, monkeypatch, capsys):
+    """The KL probe runs each layer over every chunk of probe windows; its bar counts layers (2 of 2 here), not
+    layer-chunk pairs (it said 120 "layers" for SmolLM2's 30)."""
+    from retrofit.convert import layer_probe
+
+    model, _ = smollm2
+    _, held_out, aligned = ranked
+    monkeypatch.setattr(layer_probe, "PROBE_TOKENS_PER_PASS", held_out.shape[1])  # one window a pass: 3 chunks
+    two = {layer: aligned[layer] for layer in sorted(aligned)[:2]}
+    quiet = layer_probe.swap_kl(model, two, held_out)
+    shown = layer_probe.swap_kl(model, two, held_out, show_progress=True)
+    assert shown == pytest.approx(quiet, rel=1e-6)
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert "scoring: KL probe per layer: 100%" in last and " 2.0/2.0 " in last, last

@@ -103,6 +103,20 @@ def test_budget_covering_context_generates_dense_tokens(name, smollm2, dense_tok
 
 
 @pytest.mark.parametrize("name", METHODS.names())
+def test_forward_passes_without_a_cache_stay_dense_bit_for_bit(name, smollm2, seer_gates):
+    """What `retrofit eval` scores by forward passes alone (perplexity, multiple choice, LAMBADA) runs no decode step:
+    inside any method's session, at a budget far under the prompts, such a pass gives dense's logits bit for bit.
+    That is why eval takes dense's numbers for a sparse variant on those tasks instead of running them again."""
+    model, tokenizer = smollm2
+    inputs = _inputs(tokenizer, [LONG_PROMPT, SHORTER_PROMPT])
+    with torch.no_grad():
+        dense_logits = model(**inputs, use_cache=False).logits
+        with sparse_decoding(model, method=name, budget=16, **_params(name, SMALL, seer_gates)):
+            sparse_logits = model(**inputs, use_cache=False).logits
+    assert torch.equal(sparse_logits, dense_logits)
+
+
+@pytest.mark.parametrize("name", METHODS.names())
 def test_small_budget_reads_at_most_budget_keys(name, smollm2, seer_gates):
     model, tokenizer = smollm2
     inputs = _inputs(tokenizer, [LONG_PROMPT, SHORTER_PROMPT])
@@ -277,3 +291,49 @@ def test_hybrid_model_sparsifies_only_softmax_layers(smollm2):
     assert steps == {2}
     assert torch.equal(tokens, dense)
 
+
+
+def _spherical_kmeans_reference(keys: list[list[float]], centres: list[list[float]], iterations: int):
+    """Spherical k-means one point at a time, in float64: each unit key joins the centre of largest dot product
+    (the first on a tie), each centre becomes the normalised sum of its members (unchanged when it has none)."""
+    import math
+
+    def unit(vector):
+        norm = math.sqrt(sum(value * value for value in vector))
+        return [value / norm for value in vector] if norm > 0 else vector
+
+    points = [unit(key) for key in keys]
+    assign: list[int] = []
+    for _ in range(iterations):
+        assign = [max(range(len(centres)), key=lambda c: (sum(p * q for p, q in zip(point, centres[c])), -c))
+                  for point in points]
+        for c in range(len(centres)):
+            members = [point for point, a in zip(points, assign) if a == c]
+            if members:
+                centres[c] = unit([sum(column) for column in zip(*members)])
+    sizes = [assign.count(c) for c in range(len(centres))]
+    means = [[sum(key[d] for key, a in zip(keys, assign) if a == c) / max(sizes[c], 1) for d in range(len(keys[0]))]
+             for c in range(len(centres))]
+    return assign, means, sizes
+
+
+def test_clusterkv_kmeans_matches_a_point_by_point_reference():
+    """ClusterKV's batched k-means (the clusters every decode step reads) against the same algorithm written one point
+    at a time: 2 rows of 40 keys in 8 dimensions, 5 clusters, 4 iterations, the last 6 keys of row 1 invalid; the
+    initial centres are valid keys evenly spaced in position order, as the method picks them."""
+    from retrofit.sparse.methods.clusterkv import kmeans_cosine
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 40, 8, generator=generator)
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1, 34:] = False
+    assign, means, sizes = kmeans_cosine(keys, valid, k=5, iterations=4)
+    for row in range(2):
+        kept = keys[row, valid[row]].double().tolist()
+        starts = [kept[c * len(kept) // 5] for c in range(5)]
+        unit_starts = [[value / sum(v * v for v in start) ** 0.5 for value in start] for start in starts]
+        ref_assign, ref_means, ref_sizes = _spherical_kmeans_reference(kept, unit_starts, iterations=4)
+        assert assign[row, valid[row]].tolist() == ref_assign
+        assert (assign[row, ~valid[row]] == -1).all()
+        assert sizes[row].tolist() == ref_sizes
+        assert torch.allclose(means[row], torch.tensor(ref_means, dtype=torch.float32), atol=1e-5)

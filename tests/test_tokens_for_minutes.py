@@ -14,7 +14,7 @@ from retrofit.convert.plan import DistillConfig, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "tokens_for_minutes.py"
-RECIPE = ROOT / "recipes" / "smollm2-135m" / "kda-15of30-b16.yaml"
+RECIPE = ROOT / "recipes" / "smollm2-135m" / "archive" / "kda-15of30-b16.yaml"
 STEP_SECONDS = {"stage 1": {1024: 0.150}, "stage 2": {1024: 0.260, 4096: 0.300, 8192: 0.240}}
 
 

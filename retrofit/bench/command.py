@@ -55,15 +55,18 @@ Examples:
       --variant "convert:gdn:not:every:4+quest:budget=2048" --engine retrofit --json bench_retrofit.json
   (the same with --engine transformers and --engine transformers-compile; 127k: the prompt and the
   decode tokens + 3 must fit in the config's 131072 positions)
-  retrofit bench smollm2-135m --layers 2 --context 256 --batch 1,2 --decode-tokens 8 \\
+  retrofit bench smollm2-135m --layers 4 --context 256 --batch 1,2 --decode-tokens 8 \\
       --variant convert:gdn:not:every:4 --variant quest:budget=64
 """
 
+DEFAULT_CONTEXTS = "1k,4k,16k"
 
-@click.command("bench", help=BENCH_HELP, short_help="Latency, tokens/s and memory vs context length.")
+
+@click.command("bench", help=BENCH_HELP)
 @click.argument("model_or_config")
-@click.option("--context", "contexts", default="1k,4k,16k", show_default=True,
-              help="Comma-separated prompt lengths in tokens (1k = 1024).")
+@click.option("--context", "contexts", default=None,
+              help=f"Comma-separated prompt lengths in tokens (1k = 1024) [default: {DEFAULT_CONTEXTS}, those that "
+                   "fit the model's positions].")
 @click.option("--batch", "batches", default="1", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--decode-tokens", type=int, default=32, show_default=True, help="Decode steps timed per point.")
 @click.option("--layers", type=int, default=None, help="Truncate a named config to its first N layers.")
@@ -105,7 +108,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
-    context_list = list(parse_lengths(contexts, "--context"))
+    context_list = list(parse_lengths(contexts or DEFAULT_CONTEXTS, "--context"))
     batch_list = list(parse_lengths(batches, "--batch"))
     if decode_tokens <= 0:
         raise RetrofitError(f"--decode-tokens must be positive, got {decode_tokens}")
@@ -121,6 +124,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
         skeleton = build_random_model(model_or_config, torch_dtype, torch.device("meta"), layers)
         for variant in variants:
             variant.describe(skeleton)
+        context_list = context_list if contexts else default_contexts(skeleton, context_list, decode_tokens)
         check_lengths(skeleton, context_list, decode_tokens)
         check_fits(skeleton, torch_device, torch_dtype)
         with reported(f"building {model_or_config} with random weights", device=torch_device,
@@ -139,6 +143,7 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
         source = model_or_config
     build_seconds = time.perf_counter() - built
     details = {variant.name: variant.describe(model) for variant in variants}  # bad variants fail before any run
+    context_list = context_list if contexts else default_contexts(model, context_list, decode_tokens)
     check_lengths(model, context_list, decode_tokens)
     bandwidth = copy_bandwidth(torch_device)
     config = {"model": model_or_config, "source": source, "layers": model.config.num_hidden_layers,
@@ -168,6 +173,24 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     if "retrofit" in engines:
         notes.append(fusion_note(config["decode_fusion"]))
     click.echo(markdown_table(points, notes, bandwidth))
+
+
+def default_contexts(model, contexts: list[int], decode_tokens: int) -> list[int]:
+    """The default ``contexts`` that fit the model's positions with the new tokens, the others named on stderr;
+    RetrofitError if none does."""
+    from retrofit.bench.measure import SETTLE_STEPS
+    from retrofit.model_info import max_model_length
+
+    limit, new_tokens = max_model_length(model), decode_tokens + SETTLE_STEPS + 1
+    fitting = [context for context in contexts if context + new_tokens <= limit]
+    if not fitting:
+        raise RetrofitError(f"none of the default contexts ({DEFAULT_CONTEXTS}) fits the model's {limit:,} positions "
+                            f"with {new_tokens} new tokens: give --context")
+    if len(fitting) < len(contexts):
+        left_out = ", ".join(f"{context:,}" for context in contexts if context not in fitting)
+        click.echo(f"retrofit: bench: contexts of {left_out} tokens left out of the defaults: over the model's "
+                   f"{limit:,} positions (--context names others)", err=True)
+    return fitting
 
 
 def check_lengths(model, contexts: list[int], decode_tokens: int) -> None:

@@ -11,7 +11,7 @@ CONVERT_EXAMPLES = """
 Examples:
   retrofit convert smollm2-135m --to gdn --layers every:4 --data ../shared/data/calib --tokens 2000000 --out hyb/
   retrofit convert smollm2-135m --recipe smollm2-135m/cpu-small --data ../shared/data/calib --out hyb/
-  retrofit convert smollm2-135m --recipe recipes/smollm2-135m/gdn-8of30.yaml --data calib/ --out hyb/ --resume
+  retrofit convert smollm2-135m --recipe recipes/smollm2-135m/kda-8of30-50m-b16.yaml --data calib/ --out hyb/ --resume
   torchrun --nproc-per-node 2 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O
   torchrun --nproc-per-node 8 -m retrofit.convert.command convert MODEL --recipe R.yaml --data D --out O --parallel fsdp
   retrofit convert llama3-8b --to gdn --layers not:every:4 --seq-len 8192 --batch-size 1 --frozen-dtype bfloat16 \
@@ -103,6 +103,9 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
             raise RetrofitError(memory_plan.refusal())
         click.echo(memory_plan.table())
         return
+    if not quiet and is_first_process():  # what the run will hold, before any weight loads (--dry-run's table)
+        click.echo(plan(model, to=to, layers=layers, tokens=tokens, recipe=recipe, device=device,
+                        device_memory=device_memory, **options).table() + "\n")
     start = time.time()
     earlier = parts_so_far(out) if resume and out else PartsSoFar()
     failure = None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -404,7 +405,10 @@ class Distiller:
 
             lora = LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha, lora_dropout=0.0,
                               target_modules=targets, bias="none")
-            model = get_peft_model(self.hybrid, lora)
+            with warnings.catch_warnings():  # peft reads transformers' deprecated alias; nothing for the user to do
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                        category=FutureWarning)
+                model = get_peft_model(self.hybrid, lora)
         model.train()
         for layer in self.converted_layers().values():
             layer.requires_grad_(True)

@@ -107,7 +107,9 @@ def swap_kl(dense, replacements: dict[int, torch.nn.Module], probe: torch.Tensor
 
     totals = dict.fromkeys(layers, 0.0)
     chunks = list(_window_chunks(probe))
-    bar = _progress_bar(len(chunks) * len(layers), show_progress, "scoring: KL probe per layer", "layer")
+    # one step per layer and chunk of probe windows, shown in layers (all the chunks through a layer make one)
+    bar = _progress_bar(len(layers) * len(chunks), show_progress, "scoring: KL probe per layer", "layer",
+                        unit_scale=1 / len(chunks))
     for windows in chunks:
         captures = {i: DecoderInputCapture(dense, i) for i in layers}
         try:
@@ -163,10 +165,10 @@ def _window_chunks(windows: torch.Tensor):
         yield windows[start:start + per_pass]
 
 
-def _progress_bar(total: int, show: bool, desc: str, unit: str):
-    """A tqdm bar of ``total`` steps, or None when progress is not shown."""
+def _progress_bar(total: int, show: bool, desc: str, unit: str, unit_scale: float = 1):
+    """A tqdm bar of ``total`` steps, shown as ``steps * unit_scale`` units, or None when progress is not shown."""
     if not show:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale if unit_scale != 1 else False)

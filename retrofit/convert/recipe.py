@@ -1,7 +1,7 @@
 """Recipes: YAML files naming a conversion's settings, found by path or by a shipped name, one able to start from
 another (``base:``) and name only what it changes.
 
-    # recipes/smollm2-135m/kda-15of30-b16-long.yaml
+    # recipes/smollm2-135m/archive/kda-15of30-b16-long.yaml
     base: kda-15of30-b16          # a recipe in the same folder, a path, or a shipped name like smollm2-135m/cpu-small
     tokens: 30000000
     stage2_lengths: "1024:0.5,4096:0.3,8192:0.2"
@@ -31,27 +31,41 @@ def load_recipe(path: str | os.PathLike | None) -> dict:
     return _settings_of(find_recipe(path), chain=())
 
 
+ARCHIVE = "archive"
+"""The folder, inside a model's recipe folder, of the recipes that led to the recommended ones (the tuning history):
+they load by their own name as before, e.g. ``smollm2-135m/kda-8of30-24m``."""
+
+
 def find_recipe(name: str | os.PathLike, relative_to: Path | None = None) -> Path:
     """The YAML file that ``name`` means: a file (tried beside ``relative_to`` first, the folder of the recipe naming
-    it as its base, with or without ``.yaml``), else a recipe shipped with retrofit."""
+    it as its base, with or without ``.yaml``, then in that folder's :data:`ARCHIVE`), else a recipe shipped with
+    retrofit (``MODEL/NAME``, found in ``recipes/MODEL/`` or ``recipes/MODEL/archive/``)."""
     tried = []
     if relative_to is not None:
-        tried += [relative_to / str(name), relative_to / f"{name}.yaml"]
+        tried += [relative_to / str(name), relative_to / f"{name}.yaml", relative_to / ARCHIVE / f"{name}.yaml"]
     tried.append(Path(name))
     for candidate in tried:
         if candidate.is_file():
             return candidate
-    shipped = Path(__file__).resolve().parents[2] / "recipes" / f"{name}.yaml"  # source checkout
+    folder, _, stem = str(name).rpartition("/")
+    for relative in [f"{name}.yaml"] + ([f"{folder}/{ARCHIVE}/{stem}.yaml"] if folder else []):
+        shipped = _shipped(relative)
+        if shipped is not None:
+            return shipped
+    raise RetrofitError(f"recipe {name} not found (a YAML file, or a shipped name like smollm2-135m/cpu-small)")
+
+
+def _shipped(relative: str) -> Path | None:
+    """``recipes/RELATIVE`` of the source checkout, else of the installed package; None if neither has it."""
+    shipped = Path(__file__).resolve().parents[2] / "recipes" / relative  # source checkout
     if not shipped.is_file():
         try:  # installed package
             from importlib.resources import files
 
-            shipped = Path(str(files("retrofit.recipes").joinpath(f"{name}.yaml")))
+            shipped = Path(str(files("retrofit.recipes").joinpath(relative)))
         except (ImportError, TypeError, ValueError):
-            pass
-    if not shipped.is_file():
-        raise RetrofitError(f"recipe {name} not found (a YAML file, or a shipped name like smollm2-135m/cpu-small)")
-    return shipped
+            return None
+    return shipped if shipped.is_file() else None
 
 
 def _settings_of(path: Path, chain: tuple[Path, ...]) -> dict:

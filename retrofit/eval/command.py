@@ -13,11 +13,11 @@ EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same ite
 (tasks x metrics as rows with their item counts, variants as columns, tokens/s per variant). Each value carries its
 standard error (or 95% interval), each variant its paired delta to dense with a 95% interval (* when it excludes 0).
 Every item of each file is used unless --limit is given. Sparse decoding changes decode steps only: on tasks scored
-by forward passes alone (perplexity, multiple choice, LAMBADA) a sparse variant equals dense by construction; it is
-run all the same (its delta of 0 is measured) and its cells read "= dense (by construction)".
+by forward passes alone (perplexity, multiple choice, LAMBADA) a sparse variant equals dense by construction: it takes
+dense's numbers without running them again, and its cells read "= dense (by construction)".
 
 \b
-MODEL: a local model directory, a .gguf file, a hub id, or the alias smollm2-135m.
+MODEL: a local model directory, a .gguf file, a hub id, or an alias (smollm2-135m, qwen2.5-0.5b, gemma3-270m).
 \b
 TASKS (comma-separated; each once: a name given twice is refused):
   wikitext2                 perplexity of wikitext2_test.raw in --data-dir (windows of --seq-len)
@@ -94,7 +94,7 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
     return {name: Path(path) for name, path in files.items()}
 
 
-@click.command("eval", help=EVAL_HELP, short_help="Accuracy of dense vs variants (ppl, multiple choice, RULER-style).")
+@click.command("eval", help=EVAL_HELP)
 @click.argument("model")
 @click.option("--tasks", "tasks", default=None, help="Comma-separated task names (see above).")
 @click.option("--report", "report", is_flag=True,

@@ -27,7 +27,7 @@ DIR --report` makes the same report for an existing hybrid."""
 CONVERT_EXAMPLES = """
 \b
 Examples:
-  retrofit convert smollm2-135m --recipe smollm2-135m/gdn-8of30 --data ../shared/data/calib --out hyb/ \\
+  retrofit convert smollm2-135m --recipe smollm2-135m/kda-8of30-50m-b16 --data ../shared/data/calib --out hyb/ \\
       --device cuda --report-data-dir ../shared/data/eval
   retrofit convert smollm2-135m --recipe smollm2-135m/cpu-small --data ../shared/data/calib --out hyb/ \\
       --report-data-dir ../shared/data/eval --report-context 2k --report-seeds 2 --report-limit 4
@@ -123,5 +123,4 @@ def _convert_then_report(**values) -> None:
 
 convert_command = click.Command(
     "convert", params=[*conversion_command.params, *REPORT_OPTIONS], callback=_convert_then_report,
-    help=f"{conversion_command.help}\n\n{REPORT_HELP}", epilog=CONVERT_EXAMPLES,
-    short_help="Convert layers to GDN/KDA, distil, save; then dense vs hybrid on held-out data.")
+    help=f"{conversion_command.help}\n\n{REPORT_HELP}", epilog=CONVERT_EXAMPLES)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from retrofit.eval.loglikelihood import Throughput
+from retrofit.eval.progress import progress_bar
 from retrofit.generation import eos_token_ids, generate, left_padded, pad_token_id
 from retrofit.model_info import model_device
 
@@ -33,7 +33,7 @@ def greedy_token_ids(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     eos = eos_token_ids(model, tokenizer) if stop_at_eos else []
     order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
     outputs: list[list[int] | None] = [None] * len(prompts)
-    progress = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
+    progress = progress_bar(len(prompts), desc, "prompt")
     for start in range(0, len(order), batch_size):
         indices = order[start:start + batch_size]
         input_ids, attention_mask = left_padded([prompts[index] for index in indices], pad, device)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
+from retrofit.eval.progress import progress_bar
 from retrofit.model_info import max_model_length, model_device
 
 
@@ -88,7 +88,7 @@ def score_requests(model, requests: list[Request], batch_size: int = 8, desc: st
         rows.append((index, inputs, len(request.continuation_ids), whole[-len(request.continuation_ids):]))
     order = sorted(rows, key=lambda row: -len(row[1]))
     scores: list[Score | None] = [None] * len(requests)
-    progress = tqdm(total=len(order), desc=desc, unit="req", leave=False)
+    progress = progress_bar(len(order), desc, "req")
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         width = max(len(row[1]) for row in batch)

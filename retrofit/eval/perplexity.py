@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from retrofit import textfiles
 from retrofit.errors import RetrofitError
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.outcome import PerplexityMetric, TaskOutcome
+from retrofit.eval.progress import progress_bar
 from retrofit.model_info import model_device
 
 
@@ -45,7 +45,8 @@ def window_nlls(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "
     """Summed NLL (nats) of tokens 1..T-1 of each window of ``windows [N, T]``, in window order."""
     device = model_device(model)
     nlls: list[float] = []
-    for start in tqdm(range(0, len(windows), batch_size), desc=desc, unit="batch", leave=False):
+    progress = progress_bar(len(windows), desc, "window")
+    for start in range(0, len(windows), batch_size):
         batch = windows[start:start + batch_size].to(device)
         began = time.perf_counter()
         logits = model(input_ids=batch, use_cache=False).logits
@@ -55,6 +56,8 @@ def window_nlls(model, windows: torch.Tensor, batch_size: int = 4, desc: str = "
             torch.cuda.synchronize(device)
         if throughput is not None:
             throughput.add(Throughput(batch.numel(), time.perf_counter() - began))
+        progress.update(len(batch))
+    progress.close()
     return nlls
 
 

@@ -11,6 +11,7 @@ from retrofit.atomic import write_text
 from retrofit.eval.batching import BatchSizes
 from retrofit.eval.loglikelihood import Throughput
 from retrofit.eval.outcome import UNITS, TaskOutcome, as_outcome, summarize, summarize_against
+from retrofit.eval.progress import variant_running
 from retrofit.eval.tasks import Job
 from retrofit.generation import release
 from retrofit.memory import release_memory
@@ -23,8 +24,8 @@ class EvalReport:
     """``results[variant][task][metric]`` (names and units: :mod:`retrofit.eval.outcome`),
     ``throughput[variant] = {tokens, seconds, tokens_per_s}``, ``config``, ``dense_by_construction[variant]`` (the
     tasks on which the variant cannot differ from dense: a decode-only variant on a task scored by forward passes
-    alone; they are run all the same, so their zero deltas are measured, not assumed) and ``samples[variant][task]``
-    (one record per item, for ``--log-samples``)."""
+    alone, which takes dense's outcome there instead of running again) and ``samples[variant][task]`` (one record
+    per item, for ``--log-samples``)."""
 
     results: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     throughput: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -52,9 +53,10 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
     state is freed before the next variant allocates its own (:func:`retrofit.generation.release`).
 
     A variant's results carry the paired delta to dense per metric. A ``decode_only`` variant (sparse decoding) on
-    a ``prefill_only`` job is listed in ``report.dense_by_construction``: it still runs (the cost of a dense run),
-    so that its delta of 0 with stderr 0 is a measurement of the contract that sparse decoding leaves every forward
-    pass over a prompt bit-identical, and the table says "dense by construction" instead of showing that 0."""
+    a ``prefill_only`` job takes dense's outcome (sparse decoding leaves every forward pass over a prompt
+    bit-identical: tests/test_sparse_decoding.py holds every method to it) and is listed in
+    ``report.dense_by_construction``; the table says "dense by construction" there, and the variant's tokens/s
+    counts the tasks it ran."""
     for job in jobs:
         job.prepare(model, tokenizer)
     report = EvalReport(config=dict(config or {}))
@@ -64,10 +66,13 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
         throughput = Throughput()
         results: dict[str, dict[str, float]] = {}
         samples: dict[str, list[dict]] = {}
-        with variant.open(model, tokenizer) as evaluated:
+        with variant.open(model, tokenizer) as evaluated, variant_running(variant.name):
             try:
                 for job in jobs:
-                    outcome = as_outcome(batches.run(job, variant.name, evaluated, tokenizer, throughput))
+                    if variant.decode_only and job.prefill_only:  # no decode step: dense's numbers, by construction
+                        outcome = dense_outcomes[job.key]
+                    else:
+                        outcome = as_outcome(batches.run(job, variant.name, evaluated, tokenizer, throughput))
                     if variant.name == "dense":
                         dense_outcomes[job.key] = outcome
                         results[job.key] = summarize(outcome)

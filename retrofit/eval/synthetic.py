@@ -267,14 +267,39 @@ def _item_rng(task: str, context_length: int, seed: int, index: int) -> random.R
     return random.Random(f"{task}:{context_length}:{seed}:{index}")
 
 
-def generate_item(task: SyntheticTask, tokenizer, context_length: int, seed: int, index: int, num_items: int,
-                  haystack: Haystack) -> SyntheticItem:
-    """The item with the most haystack whose prompt fits ``context_length - task.max_new_tokens`` tokens.
+ITEMS_PER_SEED = 20
+"""A long-context task's items per seed: one sweep of the needle over the depths 0, 1/19, ..., 1 of its haystack."""
 
-    The needle depth sweeps 0..100% over ``index = 0..num_items-1``. Deterministic for (task, length, seed, index).
-    """
+
+def _farthest_first(count: int) -> tuple[int, ...]:
+    """``0..count-1`` ordered so that each next one is the farthest from those before it (ties: the smaller):
+    0, 19, 9, 14, 4, ... for 20, so that the first N of a sweep spread over every depth."""
+    order = [0]
+    while len(order) < count:
+        order.append(max((slot for slot in range(count) if slot not in order),
+                         key=lambda slot: (min(abs(slot - taken) for taken in order), -slot)))
+    return tuple(order)
+
+
+DEPTH_ORDER = _farthest_first(ITEMS_PER_SEED)
+
+
+def sweep_slot(position: int) -> tuple[int, float]:
+    """The item at ``position`` (0, 1, ...) of a seed's items -> ``(index, depth)``: its identity (what seeds its
+    needle, key and haystack) and its needle depth in [0, 1]. Positions walk :data:`DEPTH_ORDER`, one sweep of
+    :data:`ITEMS_PER_SEED` after another, so the first N items of a task are the same whatever N is asked, and every
+    prefix spreads over the depths; the 20 items of one sweep are those of index 0..19 at depth index / 19."""
+    sweep, place = divmod(position, ITEMS_PER_SEED)
+    slot = DEPTH_ORDER[place]
+    return sweep * ITEMS_PER_SEED + slot, slot / (ITEMS_PER_SEED - 1)
+
+
+def generate_item(task: SyntheticTask, tokenizer, context_length: int, seed: int, position: int,
+                  haystack: Haystack) -> SyntheticItem:
+    """The item at ``position`` of a seed's items (:func:`sweep_slot`), with the most haystack whose prompt fits
+    ``context_length - task.max_new_tokens`` tokens. Deterministic for (task, length, seed, position)."""
     budget = context_length - task.max_new_tokens
-    depth = index / (num_items - 1) if num_items > 1 else 0.5
+    index, depth = sweep_slot(position)
 
     def render(size: int) -> tuple[list[int], PromptParts]:
         parts = task.build(_item_rng(task.name, context_length, seed, index), size, haystack, depth)
@@ -322,11 +347,12 @@ def generate_item(task: SyntheticTask, tokenizer, context_length: int, seed: int
 
 def generate_items(task_name: str, tokenizer, context_length: int, seeds: list[int], num_items: int,
                    haystack: Haystack | None = None) -> list[SyntheticItem]:
-    """``num_items`` items per seed for one task and context length."""
+    """The first ``num_items`` items of each seed (seed by seed) for one task and context length: a run asking for
+    fewer items gets the first ones of a run asking for more."""
     task = SYNTHETIC_TASKS.get(task_name)
     haystack = haystack or Haystack()
-    return [generate_item(task, tokenizer, context_length, seed, index, num_items, haystack)
-            for seed in seeds for index in range(num_items)]
+    return [generate_item(task, tokenizer, context_length, seed, position, haystack)
+            for seed in seeds for position in range(num_items)]
 
 
 def answer_fraction(output: str, answers: tuple[str, ...]) -> float:

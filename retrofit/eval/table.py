@@ -104,9 +104,10 @@ def markdown_table(report: EvalReport) -> str:
     speed_cells = [f"{dense_speed:.1f}"]
     for variant in variants[1:]:
         speed = report.throughput[variant]["tokens_per_s"]
-        speed_cells.append(f"{speed:.1f} ({speed / dense_speed:.2f}x)")
+        speed_cells.append("- (no task of its own: = dense)" if math.isnan(speed)
+                           else f"{speed:.1f} ({speed / dense_speed:.2f}x)")
     lines.append("| tokens/s | " + " | ".join(speed_cells) + " |")
     if report.batch_auto:
-        lines.append("| batch size (auto) | " + " | ".join(described(report.batch_sizes.get(variant, {}))
-                                                           for variant in variants) + " |")
+        lines.append("| batch size (auto) | " + " | ".join(described(report.batch_sizes.get(variant, {})) or "-"
+                                                           for variant in variants) + " |")  # -: ran no task
     return "\n".join(lines)

@@ -25,8 +25,6 @@ from retrofit.eval.outcome import MeanMetric, TaskOutcome
 from retrofit.model_info import max_model_length
 from retrofit.registry import Registry
 
-DEFAULT_SYNTHETIC_ITEMS = 20
-
 
 @dataclass
 class EvalSettings:
@@ -175,7 +173,7 @@ def _lambada_jobs(task: str, settings: EvalSettings) -> list[Job]:
 
 def _synthetic_jobs(task: str, settings: EvalSettings) -> list[Job]:
     haystack = synthetic.Haystack(settings.haystack)
-    num_items = settings.limit or DEFAULT_SYNTHETIC_ITEMS
+    num_items = settings.limit or synthetic.ITEMS_PER_SEED
     jobs = []
     for length in settings.context_lengths:
         state: dict[str, list] = {}

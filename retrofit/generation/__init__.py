@@ -13,8 +13,8 @@ from retrofit.generation.generate import DecodeLoop, generate
 from retrofit.generation.kept import kept_generation, release
 from retrofit.generation.inputs import (SamplingOptions, build_prompt_ids, cache_keyword, checked_prompt,
                                         eos_token_ids, left_padded, pad_token_id)
-from retrofit.generation.streaming import WriterStreamer, stream_generate
+from retrofit.generation.streaming import StreamedGeneration, WriterStreamer, stream_generate
 
-__all__ = ["CAPACITY_QUANTUM", "DecodeLoop", "SamplingOptions", "StaticGeneration", "WriterStreamer",
-           "build_prompt_ids", "cache_capacity", "cache_keyword", "checked_prompt", "eos_token_ids", "generate",
+__all__ = ["CAPACITY_QUANTUM", "DecodeLoop", "SamplingOptions", "StaticGeneration", "StreamedGeneration",
+           "WriterStreamer", "build_prompt_ids", "cache_capacity", "cache_keyword", "checked_prompt", "eos_token_ids", "generate",
            "kept_generation", "left_padded", "pad_token_id", "release", "stream_generate"]

@@ -17,8 +17,8 @@ rounding once (the model rounds the product, then the sum). The projections read
 transposed views, nothing copied; q, k and v read theirs as one ``[out_q + out_k + out_v, hidden]`` matrix: the
 first time a layer is fused, its three weights (and biases) move into one buffer, row block after row block, and
 the modules' Parameters become views of it (the same Parameter objects and values, no memory added; reading them as
-one GEMM takes 20.9 us instead of 30.9 at Llama-3-8B's shapes on an H100: BENCHMARKS.md, Kernel time per decode
-token). ``save_pretrained`` writes such views as separate tensors.
+one GEMM takes 20.9 us instead of 30.9 at Llama-3-8B's shapes on an H100: benchmarks/history/figures-2026-12-06.md,
+Kernel time per decode token). ``save_pretrained`` writes such views as separate tensors.
 
 Supported: the decoder layers of the families whose architecture record says their forward is the one above
 (``Architecture.decode_fusion``: Llama, Mistral, Qwen2) whose norms are the model's RMSNorm and whose MLP is SiLU-gated

@@ -129,16 +129,44 @@ def run_lm_eval(argv: list[str]) -> None:
     check_before_loading(args)
     setup_logging()
     try:
-        with included_tasks_only_when_they_hold_every_task(args):
+        with included_tasks_only_when_they_hold_every_task(args), git_hash_read_quietly():
             cli.execute(args)
     except (ValueError, KeyError, FileNotFoundError) as error:  # lm-eval's own refusals: unknown tasks, bad options
         message = " ".join(str(error).split()) or type(error).__name__
         raise RetrofitError(f"lm-eval: {message}") from None
 
 
+@contextmanager
+def git_hash_read_quietly():
+    """lm-eval records the git commit of the working directory by running ``git describe``, whose complaint outside
+    a repository ("fatal: not a git repository") reaches the user's terminal: while inside, the same read with git's
+    stderr discarded (the result, a hash or None, is lm-eval's)."""
+    import os
+    import subprocess
+
+    import lm_eval.evaluator as evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:  # an lm-eval that records no git hash this way
+        yield
+        return
+
+    def quiet_git_commit_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    evaluator.get_git_commit_hash = quiet_git_commit_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 @click.command("lm-eval", help=LM_EVAL_HELP, add_help_option=False,
-               context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-               short_help="lm-evaluation-harness with retrofit models (sparse, hybrid) and local tasks.")
+               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
@@ -149,7 +177,7 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
     run_lm_eval(list(args))
 
 
-@click.command("lm-eval-task", short_help="Write a synthetic long-context task for lm-eval (--include_path).",
+@click.command("lm-eval-task",
                help="Write the long-context synthetic TASK (passkey, niah_single, niah_multikey, niah_multivalue, vt, "
                     "cwe, fwe) as lm-eval tasks, one per --context-length: OUT/retrofit_TASK_LENGTH.jsonl (the "
                     "prompts of `retrofit eval`, rendered with MODEL's tokenizer and chat template) and its YAML. "
@@ -163,7 +191,8 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
 @click.option("--num-seeds", type=click.IntRange(min=1), default=1, show_default=True, help="Seeds seed..seed+N-1.")
 @click.option("--limit", "items_per_seed", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Items per seed (the needle depth sweeps 0-100% over them).")
+              help="Items per seed: the first N of `retrofit eval`'s (20 sweep the needle over 0-100% of the "
+                   "haystack; fewer spread over it).")
 @click.option("--haystack", type=click.Path(path_type=Path), default=None,
               help="Text file whose sentences replace the noise haystack.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="Folder for the task files.")

@@ -62,6 +62,22 @@ def sparse_decoding_variant(sparse: str | None, budget: Any, params: dict[str, A
     return sparse_variant(str(sparse), budget, **as_text)
 
 
+@contextlib.contextmanager
+def _without_log_records(logger_name: str, beginning: str):
+    """Drop the records of ``logger_name`` whose message begins with ``beginning`` while inside."""
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(beginning)
+
+    target, dropping = logging.getLogger(logger_name), Drop()
+    target.addFilter(dropping)
+    try:
+        yield
+    finally:
+        target.removeFilter(dropping)
+
+
 def _device(device: str | None) -> torch.device:
     """lm-eval's CLI asks for ``cuda:0`` by default; like its ``hf`` model, fall back to the CPU without CUDA."""
     if device and str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -89,8 +105,10 @@ class RetrofitLM(HFLM):
         if dtype in (None, "auto"):
             dtype = default_dtype(torch_device)
         model, tokenizer = load(str(pretrained), dtype=dtype, device=torch_device)
-        super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
-                         **hflm_options)
+        # HFLM warns that a model object "is not of type `str`": handing it one is how this class works
+        with _without_log_records("lm_eval.models.huggingface", "`pretrained` model kwarg is not of type `str`"):
+            super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
+                             **hflm_options)
         self.pretrained = str(pretrained)  # the name as given (HFLM keeps the object it was handed)
         self.retrofit_dtype = str(dtype)
 
