@@ -12,7 +12,9 @@
 # machine that made it, so a conversion sized to end well inside one call should be reported before the call ends.
 #
 # The model converted is each recipe's own (`model:`); the report evaluates the first recipe's, at the long-context
-# lengths REPORT_CONTEXTS (default 2k,4k,8k; 8k,16k,32k for Qwen2.5-0.5B's 32,768 positions).
+# lengths REPORT_CONTEXTS (default 2k,4k,8k; 8k,16k,32k for Qwen2.5-0.5B's 32,768 positions), at REPORT_BATCH rows
+# per call (default auto: per variant, task and length the largest batch the GPU holds, halved and rerun if it runs
+# out of memory; the report's table says what it chose).
 #
 # Hybrids and their training checkpoints go under runs/ (git-ignored: kept between calls while the machine stays
 # warm); logs and JSON go to $OUT (default ./out). A conversion that reaches MINUTES writes a checkpoint and exits 3;
@@ -79,8 +81,8 @@ report)
     if [ -f "runs/$name/config.json" ]; then hybrids+=(--hybrid "runs/$name"); else echo "$name: not finished"; fi
   done
   retrofit eval "$(recipe_model "$1")" --report --data-dir "$evaldir" --num-seeds "$seeds" "${hybrids[@]}" --device cuda \
-    --context-length "${REPORT_CONTEXTS:-2k,4k,8k}" \
-    --batch-size 32 --json "$out/report.json" 2>&1 | progress_cut | grep -v "%|" | tee "$out/report.md"
+    --context-length "${REPORT_CONTEXTS:-2k,4k,8k}" --batch-size "${REPORT_BATCH:-auto}" \
+    --json "$out/report.json" 2>&1 | progress_cut | grep -v "%|" | tee "$out/report.md"
   ;;
 convert-report)
   minutes=${2:?MINUTES}; calib=${3:?CALIB_DIR}; evaldir=${4:?EVAL_DIR}; seeds=${5:?SEEDS}; shift 5

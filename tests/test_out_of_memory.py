@@ -160,6 +160,53 @@ def test_a_command_that_does_not_name_its_work_still_says_it_in_one_line(calib_d
     assert "Traceback" not in result.output
 
 
+def test_gates_out_of_memory_keeps_its_checkpoint_and_resume_finishes(calib_data_dir, tmp_path):
+    """Memory runs out in the second step of gate training (the first step's checkpoint is written): one line that
+    names the checkpoint, no gate file, and --resume trains the one step left."""
+    import itertools
+
+    from retrofit.sparse.methods.seer import training
+
+    out = tmp_path / "smol.gates"
+    gates = ("gates", "smollm2-135m", "--data", str(calib_data_dir / "walden.txt"), "--tokens", "256", "--seq-len",
+             "128", "--block-size", "16", "--hidden", "32", "--queries", "8", "--save-every", "1", "--device", "cpu",
+             "--out", str(out))
+    calls = itertools.count()
+    second_step = lambda *args, **kwargs: next(calls) >= 30  # one gate loss per layer, 30 layers a step
+    with allocations_capped_in(training, "gate_loss", limit=0, when=second_step) as caps:
+        stopped = run(*gates)
+    assert len(caps) == 1 and caps[0].raised == 1
+    checkpoint = tmp_path / "smol.gates.ckpt"
+    assert_one_line_error(stopped, "out of memory on cpu (tried to allocate ", f") while training gates for {out}; "
+                          f"its last checkpoint (step 1) is kept in {checkpoint}, and the same command with --resume "
+                          "continues from it: try --resume where more memory is free, or start over with a shorter "
+                          "--seq-len, fewer --queries, --dtype bfloat16, or another --device")
+    assert "Traceback" not in stopped.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smol.gates.ckpt"]  # no half-written gate file
+    assert torch.load(checkpoint, weights_only=True)["step"] == 1
+
+    resumed = run(*gates, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert torch.load(checkpoint, weights_only=True)["step"] == 2 and out.is_file()
+
+
+def test_lm_eval_out_of_memory_is_one_line(eval_data_dir):
+    """A forward pass inside lm-evaluation-harness that does not fit: the bridge's last line says so, exit 2."""
+    from retrofit.harness.model import RetrofitLM
+
+    with allocations_capped_in(RetrofitLM, "_model_call", limit=0) as caps:
+        result = run("lm-eval", "--model", "retrofit", "--model_args", "pretrained=smollm2-135m", "--tasks",
+                     "retrofit_piqa", "--limit", "2", "--metadata", f"data_dir={eval_data_dir}", "--device", "cpu")
+    assert len(caps) == 1 and caps[0].raised == 1
+    assert result.exit_code == 2, result.output
+    # lm-eval's own INFO log lines may come first; the error is the last line, and no traceback
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("retrofit: error: out of memory on cpu (tried to allocate "), last
+    assert last.endswith(" while running retrofit lm-eval: try a smaller --batch_size (or auto), --limit, or another "
+                         "--device"), last
+    assert "Traceback" not in result.stderr
+
+
 CONVERT = ("smollm2-135m", "--recipe", "smollm2-135m/cpu-small", "--layers", "22", "--tokens", "512", "--seq-len",
            "32", "--batch-size", "2", "--stage1-fraction", "0.5", "--checkpoint-every", "2", "--no-report", "--quiet")
 

@@ -43,6 +43,7 @@ def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hi
       retrofit generate smollm2-135m --sparse seer --budget 512 --sparse-arg gate_path=runs/smol.gates ...
     """
     from retrofit.load import load
+    from retrofit.memory import is_out_of_memory, out_of_memory
     from retrofit.sparse.methods.seer.training import default_seq_lens, train_gates
 
     if device == "auto":
@@ -54,11 +55,36 @@ def gates_command(model, data, tokens, out, seq_len, min_seq_len, block_size, hi
     if seq_len is None:
         seq_len, default_min = default_seq_lens(lm.config.get_text_config(decoder=True), block_size)
         min_seq_len = min_seq_len or min(default_min, seq_len)
-    _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
-                            hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume,
-                            retrieval_fraction=retrieval_fraction, position_offsets=position_offsets,
-                            min_seq_len=min_seq_len)
+    failure = None
+    try:
+        _, losses = train_gates(lm, tokenizer, list(data), tokens, out, seq_len=seq_len, block_size=block_size,
+                                hidden=hidden, queries=queries, lr=lr, save_every=save_every, resume=resume,
+                                retrieval_fraction=retrieval_fraction, position_offsets=position_offsets,
+                                min_seq_len=min_seq_len)
+    except Exception as error:  # re-raised unless the device ran out of memory
+        if not is_out_of_memory(error):
+            raise
+        failure = out_of_memory(error, f"training gates for {out}", device=device)
+    if failure is not None:  # outside the except: the failed step's tensors are freed first
+        raise stopped_out_of_memory(failure, checkpoint)
     if losses:
         click.echo(f"gates saved to {out} (KL per layer: first step {losses[0]:.4f}, last step {losses[-1]:.4f})")
     else:
         click.echo(f"gates saved to {out} (nothing left to train after resume)")
+
+
+def stopped_out_of_memory(failure, checkpoint: Path):
+    """``failure`` (an :class:`~retrofit.memory.OutOfMemory` of gate training) told with what survives: the
+    ``checkpoint`` of the last ``--save-every`` step, which ``--resume`` continues from, or that there is none yet
+    (the gate file itself is written only at the end, so none is left half-written)."""
+    from retrofit.atomic import torch_load
+
+    if not checkpoint.is_file():
+        failure.what += " (no checkpoint was written yet: a rerun starts over)"
+        return failure
+    step = torch_load(checkpoint, "a gate-training checkpoint")["step"]
+    failure.what += (f"; its last checkpoint (step {step}) is kept in {checkpoint}, and the same command with --resume "
+                     "continues from it")
+    failure.advice = ("--resume where more memory is free, or start over with a shorter --seq-len, fewer --queries, "
+                      "--dtype bfloat16, or another --device")
+    return failure

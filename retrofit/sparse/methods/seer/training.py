@@ -222,20 +222,27 @@ def train_gates(model, tokenizer, files: list[Path], tokens: int, out: Path, *, 
     offsets = position_offsets_for(lengths, config, seed) if position_offsets else [0] * len(chunks)
     model.eval().requires_grad_(False)
     losses: list[float] = []
-    bar = tqdm(range(start, len(chunks)), initial=start, total=len(chunks), desc="gates", disable=not progress)
-    for step in bar:
-        with capture_gate_losses(model, gates, queries) as layer_losses, torch.no_grad():
-            ids = chunks[step][None].to(device)
-            positions = torch.arange(offsets[step], offsets[step] + ids.shape[1], device=device)[None]
-            model(ids, position_ids=positions, use_cache=False)
-        loss = torch.stack(layer_losses).sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item() / len(layer_losses))
-        bar.set_postfix(kl=f"{losses[-1]:.4f}")
-        if (step + 1) % save_every == 0 or step + 1 == len(chunks):
-            torch_save({"config": gates.config, "gates": gates.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1}, checkpoint)
+    bar = tqdm(total=len(chunks), initial=start, desc="gates", disable=not progress)
+    try:
+        for step in range(start, len(chunks)):
+            with capture_gate_losses(model, gates, queries) as layer_losses, torch.no_grad():
+                ids = chunks[step][None].to(device)
+                positions = torch.arange(offsets[step], offsets[step] + ids.shape[1], device=device)[None]
+                model(ids, position_ids=positions, use_cache=False)
+            loss = torch.stack(layer_losses).sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item() / len(layer_losses))
+            bar.set_postfix(kl=f"{losses[-1]:.4f}", refresh=False)
+            bar.update()
+            if (step + 1) % save_every == 0 or step + 1 == len(chunks):
+                torch_save({"config": gates.config, "gates": gates.state_dict(), "optimizer": optimizer.state_dict(),
+                            "step": step + 1}, checkpoint)
+    except BaseException:
+        bar.leave = False  # a run that stops (out of memory, Ctrl-C) leaves no half-drawn bar above its error line
+        raise
+    finally:
+        bar.close()
     gates.cpu().save(out)
     return gates, losses
