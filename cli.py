@@ -9,6 +9,7 @@ import click
 
 from retrofit.cliargs import refuse_without
 from retrofit.errors import RetrofitError
+from retrofit.sparse.prefill import MIN_LENGTH_HELP
 
 MODEL_HELP = ("A local model directory, a .gguf file, a hub id (org/name), or an alias: smollm2-135m, qwen2.5-0.5b or "
               "gemma3-270m (fetched once; `retrofit inspect ALIAS` names its licence).")
@@ -170,7 +171,8 @@ def inspect(model: str, device: str, dtype: str) -> None:
               help="Sparse prefill method: xattention or vertical_slash (default: dense prefill); with --sparse, "
                    "both in one session.")
 @click.option("--prefill-arg", "prefill_args", multiple=True, metavar="K=V",
-              help="A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024. Repeatable.")
+              help=f"A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024 ({MIN_LENGTH_HELP}). "
+                   "Repeatable.")
 @model_options
 def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: bool, max_new_tokens: int,
              temperature: float, top_p: float | None, seed: int | None, sparse_method: str | None, budget: int,

@@ -18,8 +18,8 @@ from _cli_runner import assert_one_line_error, run
 from _testing import rel_rms
 from retrofit.errors import RetrofitError
 from retrofit.sparse import SparseLayer, sparse_decoding
-from retrofit.sparse.prefill import (PREFILL_METHODS, BlockGrid, block_lists, blocks_computed, build_prefill_method,
-                                     choose_blocks, left_padding, sparse_prefill)
+from retrofit.sparse.prefill import (DEFAULT_MIN_LENGTH, PREFILL_METHODS, BlockGrid, block_lists, blocks_computed,
+                                     build_prefill_method, choose_blocks, left_padding, sparse_prefill)
 from retrofit.sparse.prefill.methods import VerticalSlash, XAttention
 
 LOGITS_TOL = 1e-4  # see module docstring
@@ -306,7 +306,7 @@ def test_the_default_min_length_leaves_short_prompts_dense(smollm2, batch, dense
     ids, mask = batch
     with sparse_prefill(model) as prefill:
         tokens = retrofit.generate(model, ids, mask, max_new_tokens=NEW_TOKENS, prefill_chunk=150)
-    assert prefill.method.min_length == 4096
+    assert prefill.method.min_length == DEFAULT_MIN_LENGTH > 420  # the prompt's 420 keys: every call dense
     assert torch.equal(tokens, dense_run[1]) and not any(call.sparse for call in prefill.calls)
 
 

@@ -8,6 +8,7 @@ import click
 
 from retrofit.bench.measure import ENGINES
 from retrofit.errors import RetrofitError
+from retrofit.sparse.prefill import MIN_LENGTH_HELP
 
 BENCH_HELP = """Measure prefill latency, decode latency per token, tokens/s, peak memory really allocated and the
 bytes held by the KV/state cache, for dense MODEL_OR_CONFIG and each variant, at every --context x --batch.
@@ -34,9 +35,9 @@ Variants (dense always runs first, each variant after it; one model on the devic
   --prefill xattention [--prefill-arg threshold=0.9]          (repeatable)
   --variant "prefill:xattention:max_density=0.1"              (repeatable)
       block-sparse prefill on the softmax layers; the table gives the prefill seconds and time to first
-      token beside dense, and a second table the share of the blocks each layer computed. Calls over
-      fewer keys than min_length (default 4096) run dense. On random weights the scores say little:
-      max_density fixes the share of blocks for a speed run.
+      token beside dense, and a second table the share of the blocks each layer computed. Prefill
+      MIN_LENGTH_HELP.
+      On random weights the scores say little: max_density fixes the share of blocks for a speed run.
 \b
 Engines (--engine, repeatable): retrofit (default; static cache, decode step captured as a CUDA graph on
   CUDA, the decoder layers of families with a fused decode path through fused kernels where they run on Triton;
@@ -57,7 +58,7 @@ Examples:
   decode tokens + 3 must fit in the config's 131072 positions)
   retrofit bench smollm2-135m --layers 4 --context 256 --batch 1,2 --decode-tokens 8 \\
       --variant convert:gdn:not:every:4 --variant quest:budget=64
-"""
+""".replace("MIN_LENGTH_HELP", MIN_LENGTH_HELP)
 
 DEFAULT_CONTEXTS = "1k,4k,16k"
 
@@ -77,7 +78,8 @@ DEFAULT_CONTEXTS = "1k,4k,16k"
 @click.option("--sparse-arg", "sparse_args", multiple=True, metavar="KEY=VALUE", help="Extra sparse keyword.")
 @click.option("--prefill", "prefill_methods", multiple=True, metavar="METHOD",
               help="Sparse prefill method (repeatable): xattention or vertical_slash.")
-@click.option("--prefill-arg", "prefill_args", multiple=True, metavar="KEY=VALUE", help="Sparse prefill parameter.")
+@click.option("--prefill-arg", "prefill_args", multiple=True, metavar="KEY=VALUE",
+              help="Sparse prefill parameter (see above).")
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
               help="Variant spec (repeatable): METHOD:budget=N[,key=value...], prefill:METHOD[:key=value,...], "

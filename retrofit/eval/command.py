@@ -8,6 +8,7 @@ import click
 
 from retrofit.cliargs import parse_lengths, parse_pairs, refuse_without
 from retrofit.errors import RetrofitError
+from retrofit.sparse.prefill import MIN_LENGTH_HELP
 
 EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same items; print one Markdown table
 (tasks x metrics as rows with their item counts, variants as columns, tokens/s per variant). Each value carries its
@@ -127,7 +128,8 @@ def parse_task_files(pairs: tuple[str, ...]) -> dict[str, Path]:
 @click.option("--prefill", "prefill_methods", multiple=True, metavar="METHOD",
               help="Sparse prefill method: xattention or vertical_slash (repeatable; one variant each).")
 @click.option("--prefill-arg", "prefill_args", multiple=True, metavar="KEY=VALUE",
-              help="A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024 (repeatable).")
+              help=f"A sparse prefill parameter, e.g. threshold=0.9 or min_length=1024 (repeatable; "
+                   f"{MIN_LENGTH_HELP}).")
 @click.option("--hybrid", "hybrid_dirs", multiple=True, metavar="DIR", help="Hybrid checkpoint dir (repeatable).")
 @click.option("--variant", "variant_specs", multiple=True, metavar="SPEC",
               help='Variant spec: "METHOD:budget=N[,k=v...]", "prefill:METHOD[:k=v,...]", "hybrid:DIR", '

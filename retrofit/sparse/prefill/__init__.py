@@ -7,13 +7,13 @@ the key blocks each query block of each head computes; the kernel skips the rest
 registry), ``patch.py`` (the context manager, the record of blocks computed).
 """
 from retrofit.sparse.prefill.blocks import BlockGrid, block_lists, choose_blocks, left_padding
-from retrofit.sparse.prefill.methods import (DEFAULT_MIN_LENGTH, PREFILL_METHODS, PrefillMethod,
+from retrofit.sparse.prefill.methods import (DEFAULT_MIN_LENGTH, MIN_LENGTH_HELP, PREFILL_METHODS, PrefillMethod,
                                              build_prefill_method)
 from retrofit.sparse.prefill.patch import (PrefillCall, SparsePrefill, active_prefill, blocks_computed,
                                            own_implementation, prefill_layers, prefill_or_dense, routed_prefill,
                                            sparse_prefill)
 
-__all__ = ["BlockGrid", "DEFAULT_MIN_LENGTH", "PREFILL_METHODS", "PrefillCall", "PrefillMethod", "SparsePrefill",
-           "active_prefill", "block_lists", "blocks_computed", "build_prefill_method", "choose_blocks",
+__all__ = ["BlockGrid", "DEFAULT_MIN_LENGTH", "MIN_LENGTH_HELP", "PREFILL_METHODS", "PrefillCall", "PrefillMethod",
+           "SparsePrefill", "active_prefill", "block_lists", "blocks_computed", "build_prefill_method", "choose_blocks",
            "left_padding", "own_implementation", "prefill_layers", "prefill_or_dense", "routed_prefill",
            "sparse_prefill"]

@@ -24,9 +24,12 @@ from retrofit.errors import RetrofitError
 from retrofit.registry import Registry
 from retrofit.sparse.prefill.blocks import BlockGrid, choose_blocks
 
-# Prefill calls over fewer keys than this run dense attention (see PrefillMethod.min_length and the measurement
-# behind it in BENCHMARKS.md, "Sparse prefill").
+# Prefill calls over fewer keys than this run dense attention (PrefillMethod.min_length's default). A placeholder, not
+# a measurement: the length below which the sparse prefill (its estimate included) stops beating dense attention has
+# not been timed yet. The default, the CLI help (MIN_LENGTH_HELP) and the tests all read it here: change it here only.
 DEFAULT_MIN_LENGTH = 4096
+MIN_LENGTH_HELP = (f"calls over fewer keys than min_length (default {DEFAULT_MIN_LENGTH}, a placeholder until "
+                   "measured) run dense")
 # An estimate's largest fp32 intermediate, in bytes: it is computed in slices of query blocks below this.
 ESTIMATE_BYTES = 256 * 1024 ** 2
 
@@ -63,7 +66,8 @@ class PrefillMethod(ABC):
     at least 16); ``sink_blocks``: blocks from each row's first real token always computed (attention sinks);
     ``local_blocks``: blocks ending at the query block's own always computed (the diagonal and the ones before it);
     ``max_density``: at most this share of the causal blocks per query block (the sinks and local blocks always),
-    e.g. to time a fixed density on random weights; ``min_length``: a call over fewer keys runs dense attention.
+    e.g. to time a fixed density on random weights; ``min_length``: a call over fewer keys runs dense attention
+    (default :data:`DEFAULT_MIN_LENGTH`, a placeholder until the length where sparse prefill pays is measured).
     """
 
     threshold: float = 0.9
