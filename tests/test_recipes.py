@@ -25,9 +25,10 @@ RECIPES = sorted(RECIPES_DIR.glob("*/*.yaml"))
 
 
 def test_the_recipes_are_found():
-    # the 19 of 2026-12-05 and the 5 Qwen recipes of 2026-12-06: a moved folder must not turn this file into no tests
-    assert sum(path.parent.name == "smollm2-135m" for path in RECIPES) >= 19, RECIPES
-    assert sum(path.parent.name == "qwen2.5-0.5b" for path in RECIPES) >= 5, RECIPES
+    # the 19 of 2026-12-05, the 5 Qwen recipes of 2026-12-06 and one lever recipe each of 2026-12-07: a moved folder
+    # must not turn this file into no tests
+    assert sum(path.parent.name == "smollm2-135m" for path in RECIPES) >= 20, RECIPES
+    assert sum(path.parent.name == "qwen2.5-0.5b" for path in RECIPES) >= 6, RECIPES
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,20 @@ def test_recipe_says_how_to_run_itself(path: Path):
     header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
     named = re.findall(r"--recipe (\S+)", header)
     assert named and set(named) == {f"{path.parent.name}/{path.stem}"}, named
+
+
+def test_the_lever_recipes_add_the_window_the_cpu_table_chose_to_their_bases():
+    """SmolLM2 22 of 30 and Qwen 18 of 24 with a softmax window of 64 keys and 4 sinks inside each converted layer
+    (the best row of the CPU table of the levers), every other setting their base recipe's but the layers and
+    the token budget."""
+    for name, base in (("smollm2-135m/kda-22of30-levers", "smollm2-135m/kda-15of30-copyrank"),
+                       ("qwen2.5-0.5b/kda-18of24-levers", "qwen2.5-0.5b/kda-12of24")):
+        recipe, inherited = load_recipe(name), load_recipe(base)
+        spec = LinearAttentionSpec.from_dict(recipe["layer_spec"])
+        assert (spec.window, spec.sink_tokens) == (64, 4), name
+        assert set(recipe) - set(inherited) == {"layer_spec"}, name
+        kept = set(inherited) - {"layers", "tokens"}
+        assert {key: recipe[key] for key in kept} == {key: inherited[key] for key in kept}, name
 
 
 def _write(folder: Path, name: str, text: str) -> Path:
