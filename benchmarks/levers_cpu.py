@@ -10,6 +10,9 @@ terms). A Markdown table is the last output; ``--json`` keeps the numbers.
 
     OMP_NUM_THREADS=1 python benchmarks/levers_cpu.py --data ../shared/data/calib --eval-data ../shared/data/eval \\
         --out-dir runs/levers --limit 8 --json levers.json
+
+On two shared CPU cores a variant at ``--tokens 2048 --batch-size 4 --limit 4`` (3 stage-1 steps, 1 stage-2 step)
+takes 2 to 12 minutes with its scoring, depending on the other load (benchmarks/results/2026-12-07/levers_cpu.md).
 """
 from __future__ import annotations
 
@@ -37,9 +40,10 @@ VARIANTS: dict[str, dict] = {
     "block alignment": BLOCKS,
     "0.2 KL + 0.2 CE + 0.6 cosine": COSINE,
     "norms + whole converted blocks": WHOLE,
+    "window + blocks + cosine + whole": {**WINDOW, **BLOCKS, **COSINE, **WHOLE},
     "max_run 4 layers": {"layers": MAX_RUN_LAYERS},
     "window + blocks + cosine": {**WINDOW, **BLOCKS, **COSINE},
-    "window + blocks + cosine + whole": {**WINDOW, **BLOCKS, **COSINE, **WHOLE},
+    "window + cosine": {**WINDOW, **COSINE},
 }
 
 
@@ -66,6 +70,8 @@ def main() -> None:
     parser.add_argument("--eval-data", required=True, help="evaluation folder holding wikitext2_test.raw")
     parser.add_argument("--out-dir", required=True, help="where the hybrids go (one folder per variant; kept)")
     parser.add_argument("--tokens", type=int, default=20480, help="calibration tokens of every variant")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="windows a step (default: the recipe's 8); fewer: more steps on the same tokens")
     parser.add_argument("--to", default="kda", help="layer type: gdn or kda")
     parser.add_argument("--limit", type=int, default=8, help="wikitext2 windows of 1,024 tokens scored")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of the variants to run")
@@ -93,9 +99,11 @@ def main() -> None:
     for name in names:
         out = Path(args.out_dir) / slug(name)
         settings = {"to": args.to, "layers": SELECTOR_LAYERS, "tokens": args.tokens, **VARIANTS[name]}
+        if args.batch_size:
+            settings["batch_size"] = args.batch_size
         began = time.perf_counter()
         convert((dense, tokenizer), recipe="smollm2-135m/cpu-small", data=[args.data], out=out, overwrite=True,
-                show_progress=False, **settings)
+                show_progress=False, checkpoint_every=0, **settings)  # no resumable checkpoints: a bench
         minutes = (time.perf_counter() - began) / 60
         hybrid, _ = load(str(out), dtype="float32")
         section = json.loads((out / "config.json").read_text())["retrofit"]
@@ -106,8 +114,9 @@ def main() -> None:
                      "tokens_trained": section["distillation"]["tokens_trained"]})
         print(json.dumps(rows[-1]), flush=True)
         del hybrid
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "limit": args.limit, "tokens": args.tokens}, indent=1))
+        if args.json:  # after every variant: a run stopped early keeps the rows it finished
+            Path(args.json).write_text(json.dumps({"rows": rows, "limit": args.limit, "tokens": args.tokens,
+                                                   "batch_size": args.batch_size or 8}, indent=1))
     print(f"\n| variant ({args.to}, 22 of 30, {args.tokens:,} tokens) | wikitext2 ppl, {args.limit} x 1,024 | ratio to "
           "dense | KL(dense ‖ hybrid) nats/token | stage-2 loss (mean of last steps) | convert (min) |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -43,11 +43,11 @@ def recipe_id(path: Path) -> str:
 
 
 def test_the_recipes_are_found():
-    # the 22 of 2026-12-06 (4 recommended, 18 archived), the 5 Qwen recipes and the 2 for any model: a moved folder
-    # must not turn this file into no tests
-    assert sum(folder_of(path) == "smollm2-135m" for path in RECIPES) >= 22, RECIPES
+    # the 22 of 2026-12-06 (4 recommended, 18 archived), the lever recipe of 2026-12-07, the 5 Qwen recipes and its
+    # lever recipe, and the 2 for any model: a moved folder must not turn this file into no tests
+    assert sum(folder_of(path) == "smollm2-135m" for path in RECIPES) >= 23, RECIPES
     assert sum(folder_of(path) == "smollm2-135m" and path.parent.name == "archive" for path in RECIPES) >= 18
-    assert sum(folder_of(path) == "qwen2.5-0.5b" for path in RECIPES) >= 5, RECIPES
+    assert sum(folder_of(path) == "qwen2.5-0.5b" for path in RECIPES) >= 6, RECIPES
     assert sum(folder_of(path) == ANY_MODEL for path in RECIPES) >= 2, RECIPES
     assert len({name_of(path) for path in RECIPES}) == len(RECIPES)  # one recipe per name, archived or not
 
@@ -151,6 +151,20 @@ def test_each_recipe_folder_says_which_recipe_to_pick(folder):
     readme = (RECIPES_DIR / folder / "README.md").read_text()
     for path in sorted((RECIPES_DIR / folder).glob("*.yaml")):
         assert f"`{name_of(path)}`" in readme, (folder, path.stem)
+
+
+def test_the_lever_recipes_add_the_window_the_cpu_table_chose_to_their_bases():
+    """SmolLM2 22 of 30 and Qwen 18 of 24 with a softmax window of 64 keys and 4 sinks inside each converted layer
+    (the best row of the CPU table of the levers), every other setting their base recipe's but the layers and
+    the token budget."""
+    for name, base in (("smollm2-135m/kda-22of30-levers", "smollm2-135m/kda-15of30-copyrank"),
+                       ("qwen2.5-0.5b/kda-18of24-levers", "qwen2.5-0.5b/kda-12of24")):
+        recipe, inherited = load_recipe(name), load_recipe(base)
+        spec = LinearAttentionSpec.from_dict(recipe["layer_spec"])
+        assert (spec.window, spec.sink_tokens) == (64, 4), name
+        assert set(recipe) - set(inherited) == {"layer_spec"}, name
+        kept = set(inherited) - {"layers", "tokens"}
+        assert {key: recipe[key] for key in kept} == {key: inherited[key] for key in kept}, name
 
 
 def _write(folder: Path, name: str, text: str) -> Path:

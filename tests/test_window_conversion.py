@@ -2,7 +2,8 @@
 random models of four families (tests/architecture_zoo.py: Llama; Gemma 2 with logit softcapping, its own scaling
 and sliding-window layers; SmolLM3 with layers that do not rotate; GPT-2 with no rotation and a fused projection),
 through the real pipeline with SmolLM2's tokenizer and the calibration books, and every lever of the same recipe on
-(block alignment, the weighted stage-2 loss with the hidden-state cosine, norms and whole converted blocks trained).
+(block alignment, the weighted stage-2 loss with the hidden-state cosine, norms and whole converted blocks trained);
+on Llama also the window alone on the recipe's other settings, the combination the lever recipes convert with.
 
 The hybrid saves and loads back through ``AutoModelForCausalLM`` (after ``import retrofit``) and ``retrofit.load``;
 its greedy tokens through ``retrofit.generate`` (a ragged batch of two 100-token prompts, the window 16 tokens, so
@@ -27,8 +28,9 @@ from retrofit.hybrid import register
 from retrofit.sparse import SparseLayer, sparse_decoding
 
 TINY = dict(tokens=512, seq_len=64, batch_size=2, stage1_fraction=0.5, checkpoint_every=0)
-LEVERS = dict(layer_spec={"window": 16, "sink_tokens": 2}, stage1_target="block", kl_weight=0.2, ce_weight=0.2,
-              hidden_cosine_weight=0.6, lora_targets="attention,mlp,norms", finetune_converted_blocks=True)
+WINDOW = dict(layer_spec={"window": 16, "sink_tokens": 2})
+LEVERS = dict(WINDOW, stage1_target="block", kl_weight=0.2, ce_weight=0.2, hidden_cosine_weight=0.6,
+              lora_targets="attention,mlp,norms", finetune_converted_blocks=True)
 CONVERTED = [0, 2]
 
 
@@ -46,17 +48,20 @@ def transformers_tokens(model, ids, mask, new: int = 8) -> torch.Tensor:
                               do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-@pytest.mark.parametrize("name, kind", [("llama", "kda"), ("gemma2-softcap5", "gdn"), ("smollm3", "kda"),
-                                        ("gpt2", "gdn")])
-def test_a_windowed_hybrid_saves_reloads_and_generates_alike(name, kind, smollm2, calib_data_dir, tmp_path,
+@pytest.mark.parametrize("name, kind, levers", [("llama", "kda", LEVERS), ("gemma2-softcap5", "gdn", LEVERS),
+                                                ("smollm3", "kda", LEVERS), ("gpt2", "gdn", LEVERS),
+                                                ("llama", "kda", WINDOW)],  # the window alone: the lever recipes'
+                         ids=["llama-kda-levers", "gemma2-gdn-levers", "smollm3-kda-levers", "gpt2-gdn-levers",
+                              "llama-kda-window"])
+def test_a_windowed_hybrid_saves_reloads_and_generates_alike(name, kind, levers, smollm2, calib_data_dir, tmp_path,
                                                              one_cpu_thread):
     _, tokenizer = smollm2
     out = tmp_path / "hybrid"
     convert((zoo.build(name), tokenizer), to=kind, layers=",".join(map(str, CONVERTED)), data=[str(calib_data_dir)],
-            out=out, recipe="smollm2-135m/cpu-small", show_progress=False, **TINY, **LEVERS)
+            out=out, recipe="smollm2-135m/cpu-small", show_progress=False, **TINY, **levers)
     section = json.loads((out / "config.json").read_text())["retrofit"]
     assert section["layer_spec"]["window"] == 16 and section["layer_spec"]["sink_tokens"] == 2
-    assert section["distillation"]["settings"]["stage1_target"] == "block"
+    assert section["distillation"]["settings"]["stage1_target"] == levers.get("stage1_target", "attention")
     register()
     config = zoo.BY_NAME[name].config()
     hybrid = AutoModelForCausalLM.from_pretrained(out, attn_implementation=zoo.implementation(config)).eval()
