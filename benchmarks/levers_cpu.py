@@ -44,6 +44,7 @@ VARIANTS: dict[str, dict] = {
     "max_run 4 layers": {"layers": MAX_RUN_LAYERS},
     "window + blocks + cosine": {**WINDOW, **BLOCKS, **COSINE},
     "window + cosine": {**WINDOW, **COSINE},
+    "window + cosine + whole": {**WINDOW, **COSINE, **WHOLE},
 }
 
 
