@@ -84,6 +84,23 @@ def test_bench_cli_json_and_table(tmp_path):
     assert len([line for line in lines if line.startswith("| dense |")]) == 4
 
 
+def test_bench_cli_plot_draws_the_points_it_saves(tmp_path):
+    from retrofit.bench.plot import bench_series
+    from retrofit.plotting import PNG_SIGNATURE
+
+    out, picture = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = run("bench", "smollm2-135m", "--layers", "1", "--context", "16,32", "--batch", "1",
+                 "--decode-tokens", "2", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--json", str(out),
+                 "--plot", str(picture))
+    assert result.exit_code == 0, result.output
+    assert picture.read_bytes().startswith(PNG_SIGNATURE)
+    points = json.loads(out.read_text())["results"]
+    drawn = {"context": [16, 32], "decode_tokens_per_s": [point["decode_tokens_per_s"] for point in points],
+             "prefill_s": [point["prefill_s"] for point in points]}
+    assert bench_series(points) == {"dense, batch 1": drawn}
+    assert "--plot" in run("bench", "--help").output
+
+
 def test_bench_cli_runs_each_engine_given_and_compares_each_with_its_own_dense(tmp_path):
     out = tmp_path / "bench.json"
     result = run("bench", "smollm2-135m", "--layers", "2", "--context", "32", "--batch", "1", "--decode-tokens", "2",

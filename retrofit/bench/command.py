@@ -49,7 +49,8 @@ Engines (--engine, repeatable): retrofit (default; static cache, decode step cap
   start of the run).
 \b
 Examples:
-  retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 --json bench.json
+  retrofit bench llama3-8b --context 4k,32k --batch 1,8 --device cuda --dtype bfloat16 --json bench.json \\
+      --plot bench.png    (decode tokens/s and prefill s against context, a line per variant, engine and batch)
   retrofit bench llama3-8b --context 4k,32k,127k --batch 1,8 --device cuda --dtype bfloat16 \\
       --variant quest:budget=2048 --variant clusterkv:budget=2048 --variant seer:budget=2048,random_gates=true \\
       --variant streaming:budget=2048 --variant convert:gdn:not:every:4 --variant convert:kda:not:every:4 \\
@@ -90,11 +91,14 @@ DEFAULT_CONTEXTS = "1k,4k,16k"
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median reported).")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs per point before the timed ones.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the results here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG chart here: decode tokens/s and prefill s against context (needs matplotlib).")
 def bench_command(model_or_config: str, contexts: str, batches: str, decode_tokens: int, layers: int | None,
                   device: str, dtype: str | None, sparse_methods: tuple[str, ...], budgets: tuple[int, ...],
                   sparse_args: tuple[str, ...], prefill_methods: tuple[str, ...], prefill_args: tuple[str, ...],
                   hybrid_dirs: tuple[str, ...], variant_specs: tuple[str, ...],
-                  engines: tuple[str, ...], repeats: int, warmup: int, json_path: Path | None) -> None:
+                  engines: tuple[str, ...], repeats: int, warmup: int, json_path: Path | None,
+                  plot_path: Path | None) -> None:
     from retrofit.atomic import write_json
     import torch
 
@@ -110,6 +114,10 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     from retrofit.run_info import library_versions
     from retrofit.variants import variants_from_options
 
+    if plot_path is not None:
+        from retrofit.plotting import pyplot
+
+        pyplot()  # a missing matplotlib is told before the run, not after it
     context_list = list(parse_lengths(contexts or DEFAULT_CONTEXTS, "--context"))
     batch_list = list(parse_lengths(batches, "--batch"))
     if decode_tokens <= 0:
@@ -175,6 +183,10 @@ def bench_command(model_or_config: str, contexts: str, batches: str, decode_toke
     if "retrofit" in engines:
         notes.append(fusion_note(config["decode_fusion"]))
     click.echo(markdown_table(points, notes, bandwidth))
+    if plot_path is not None:
+        from retrofit.bench.plot import chart_title, save_bench_plot
+
+        save_bench_plot([point.to_json() for point in points], plot_path, title=chart_title(config))
 
 
 def default_contexts(model, contexts: list[int], decode_tokens: int) -> list[int]:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from retrofit.atomic import atomic_path
-from retrofit.errors import RetrofitError
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.outcome import is_primary
 from retrofit.eval.stats import Z_95
 from retrofit.eval.table import metric_label, shown_value
+from retrofit.plotting import pyplot, save_figure
 
 
 def _error_bar(metric: str, entries: dict[str, float]) -> tuple[float, float]:
@@ -29,13 +28,7 @@ def _error_bar(metric: str, entries: dict[str, float]) -> tuple[float, float]:
 
 def save_plot(report: EvalReport, path: Path) -> None:
     """Draw the report and write it atomically to ``path`` (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RetrofitError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
     variants = report.variants
     dense_results = report.results[variants[0]]
     synthetic: dict[str, list[tuple[int, str]]] = {}
@@ -70,9 +63,4 @@ def save_plot(report: EvalReport, path: Path) -> None:
         axis.set_title(metric_label(task, metric))
     for axis in flat[count:]:
         axis.set_visible(False)
-    figure.tight_layout()
-    try:
-        with atomic_path(path) as temporary:
-            figure.savefig(temporary, dpi=120, format="png")
-    finally:
-        plt.close(figure)
+    save_figure(figure, path)
