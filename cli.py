@@ -9,7 +9,7 @@ import click
 
 from retrofit.cliargs import refuse_without
 from retrofit.errors import RetrofitError
-from retrofit.sparse.prefill import MIN_LENGTH_HELP
+from retrofit.prefill_defaults import MIN_LENGTH_HELP
 
 MODEL_HELP = ("A local model directory, a .gguf file, a hub id (org/name), or an alias: smollm2-135m, qwen2.5-0.5b or "
               "gemma3-270m (fetched once; `retrofit inspect ALIAS` names its licence).")

@@ -46,7 +46,7 @@ ROWS = [
     # --- generate: empty prompts, impossible lengths, options that contradict or do nothing
     (["generate", "smollm2-135m", "--prompt", ""], "--prompt is empty"),
     (["generate", "smollm2-135m", "--prompt", "   "], "--prompt is empty"),
-    (["generate", "smollm2-135m"], "Missing option '--prompt'"),
+    (["generate", "smollm2-135m"], "give the text to continue as --prompt TEXT or --prompt-file PATH"),
     (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
     (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be a positive"),
     (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "many"], "Invalid value for '--max-new-tokens'"),

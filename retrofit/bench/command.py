@@ -8,7 +8,7 @@ import click
 
 from retrofit.bench.measure import ENGINES
 from retrofit.errors import RetrofitError
-from retrofit.sparse.prefill import MIN_LENGTH_HELP
+from retrofit.prefill_defaults import MIN_LENGTH_HELP
 
 BENCH_HELP = """Measure prefill latency, decode latency per token, tokens/s, peak memory really allocated and the
 bytes held by the KV/state cache, for dense MODEL_OR_CONFIG and each variant, at every --context x --batch.

@@ -8,7 +8,7 @@ import click
 
 from retrofit.cliargs import parse_lengths, parse_pairs, refuse_without
 from retrofit.errors import RetrofitError
-from retrofit.sparse.prefill import MIN_LENGTH_HELP
+from retrofit.prefill_defaults import MIN_LENGTH_HELP
 
 EVAL_HELP = """Evaluate MODEL (dense) and each requested variant on the same items; print one Markdown table
 (tasks x metrics as rows with their item counts, variants as columns, tokens/s per variant). Each value carries its

@@ -21,15 +21,10 @@ import torch
 
 from retrofit.cliargs import coerce
 from retrofit.errors import RetrofitError
+from retrofit.prefill_defaults import DEFAULT_MIN_LENGTH, MIN_LENGTH_HELP  # noqa: F401  (re-exported)
 from retrofit.registry import Registry
 from retrofit.sparse.prefill.blocks import BlockGrid, choose_blocks
 
-# Prefill calls over fewer keys than this run dense attention (PrefillMethod.min_length's default). A placeholder, not
-# a measurement: the length below which the sparse prefill (its estimate included) stops beating dense attention has
-# not been timed yet. The default, the CLI help (MIN_LENGTH_HELP) and the tests all read it here: change it here only.
-DEFAULT_MIN_LENGTH = 4096
-MIN_LENGTH_HELP = (f"calls over fewer keys than min_length (default {DEFAULT_MIN_LENGTH}, a placeholder until "
-                   "measured) run dense")
 # An estimate's largest fp32 intermediate, in bytes: it is computed in slices of query blocks below this.
 ESTIMATE_BYTES = 256 * 1024 ** 2
 
