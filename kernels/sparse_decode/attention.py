@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..backend import implementation
+from ..online_softmax import online_softmax_step
 from ..device import multiprocessors
 
 _LOG2E = 1.4426950408889634
@@ -75,17 +76,8 @@ def _sparse_decode_split_kernel(
         else:
             s = s * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + pos[:, None] * stride_vn + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
     head = b * (Hkv * GROUP) + hkv * GROUP + g
     part = head * NUM_SPLITS + split

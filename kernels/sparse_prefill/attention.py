@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..backend import implementation
+from ..online_softmax import online_softmax_step
 from .reference import query_block_count
 
 _LOG2E = 1.4426950408889634
@@ -66,17 +67,8 @@ def _block_sparse_prefill_kernel(
             s = tl.dot(q, tl.trans(k))
         visible = k_ok[None, :] & (keys[None, :] <= positions[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + keys[:, None] * stride_vn + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + b * stride_ob + i.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :],
