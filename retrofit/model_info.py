@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch.nn as nn
 
@@ -127,3 +128,20 @@ def attention_layout(model: nn.Module) -> AttentionLayout:
         layers=described,
         architecture=arch,
     )
+
+
+def restrict_layers(layers: Iterable[int] | str, eligible: Iterable[int], what: str) -> list[int]:
+    """``layers`` (indices, or "0,1,2" from the CLI) sorted, without repeats, each one of ``eligible``; RetrofitError
+    (one line) for unparsable text or a layer outside ``eligible``, which ``what`` names (e.g. "softmax-attention
+    layers of LlamaForCausalLM")."""
+    if isinstance(layers, str):
+        try:
+            layers = [int(part) for part in layers.split(",") if part.strip()]
+        except ValueError:
+            raise RetrofitError(f"layers={layers!r} is invalid: expected comma-separated layer indices") from None
+    allowed = sorted(set(eligible))
+    chosen = sorted({int(i) for i in layers})
+    unknown = [i for i in chosen if i not in allowed]
+    if unknown:
+        raise RetrofitError(f"layers={unknown} are not {what} (those are {allowed})")
+    return chosen

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 from retrofit.errors import RetrofitError
 from retrofit.kernels import use_backend
 from retrofit.kernels.sparse_decode import sparse_decode_attention
-from retrofit.model_info import attention_layout
+from retrofit.model_info import attention_layout, restrict_layers
 from retrofit.sparse.attention_functions import attention_function, softmax_attention_layers
 from retrofit.sparse.cache import SparseCache, SparseLayer
 from retrofit.sparse.contract import SparseMethod
@@ -190,16 +190,8 @@ def sparse_decoding(
         raise RetrofitError(f"{type(model).__name__} has no softmax-attention layer whose cache grows with the context "
                             f"to apply {method!r} to (its sliding-window layers are bounded already)")
     if layers is not None:
-        if isinstance(layers, str):  # from the CLI: "0,1,2"
-            try:
-                layers = [int(part) for part in layers.split(",") if part.strip()]
-            except ValueError:
-                raise RetrofitError(f"layers={layers!r} is invalid: expected comma-separated layer indices") from None
-        chosen = sorted({int(i) for i in layers})
-        unknown = [i for i in chosen if i not in attention]
-        if unknown:
-            raise RetrofitError(f"layers={unknown} are not softmax-attention layers of {type(model).__name__} "
-                                f"(those are {min(attention)}..{max(attention)} minus converted/sliding ones)")
+        chosen = restrict_layers(layers, attention, f"softmax-attention layers of {type(model).__name__} whose cache "
+                                 "grows with the context")
         attention = {i: attention[i] for i in chosen}
     session = SparseSession(model, sparse_method, attention, kernel)
     sparse_method.bind(session.config)  # settings that follow the model (Quest's page size, random Seer gates)

@@ -27,7 +27,7 @@ from retrofit.attention_functions import attention_function, dense_attention, im
 from retrofit.errors import RetrofitError
 from retrofit.kernels import use_backend
 from retrofit.kernels.sparse_prefill import sparse_prefill_attention
-from retrofit.model_info import attention_layout
+from retrofit.model_info import attention_layout, restrict_layers
 from retrofit.sparse.params import KERNELS
 from retrofit.sparse.prefill.blocks import BlockGrid, block_lists, left_padding
 from retrofit.sparse.prefill.methods import PrefillMethod, build_prefill_method
@@ -170,17 +170,8 @@ def prefill_layers(model: torch.nn.Module, layers: Iterable[int] | str | None = 
                             "softcapping for sparse prefill to apply to")
     if layers is None:
         return eligible
-    if isinstance(layers, str):
-        try:
-            layers = [int(part) for part in layers.split(",") if part.strip()]
-        except ValueError:
-            raise RetrofitError(f"layers={layers!r} is invalid: expected comma-separated layer indices") from None
-    chosen = sorted({int(i) for i in layers})
-    unknown = [i for i in chosen if i not in eligible]
-    if unknown:
-        raise RetrofitError(f"layers={unknown} are not layers sparse prefill applies to in {type(model).__name__} "
-                            f"(softmax attention without a sliding window or softcapping: {eligible})")
-    return chosen
+    return restrict_layers(layers, eligible, f"layers of {type(model).__name__} that sparse prefill applies to "
+                           "(softmax attention without a sliding window or softcapping)")
 
 
 @contextmanager
