@@ -113,3 +113,31 @@ def allocations_capped_in(owner, name: str, limit: int = 0, when=lambda *args, *
         yield caps
     finally:
         setattr(owner, name, original)
+
+
+KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def graph_replay_counts(model, ids: torch.Tensor, mask: torch.Tensor, fuse_layers: bool, steps: int = 32):
+    """Decode ``steps`` tokens of ``model`` on CUDA by graph replays after the eager step, the capture and a first
+    replay -> (allocations those steps made, ``cudaGraphLaunch`` calls, kernel launches outside a graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
+    from retrofit.generation.sampling import TokenChooser
+
+    with torch.no_grad():
+        generation = StaticGeneration(model, ids, mask, 64, TokenChooser(SamplingOptions(), ids.device), [], 0,
+                                      fuse_layers=fuse_layers)
+        loop = DecodeLoop(generation, use_graph=True)
+        with generation.installed():
+            generation.prefill()
+            loop.run(3, stop_at_end=False)  # eager step, capture, first replay
+            torch.cuda.synchronize()
+            allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                loop.run(steps, stop_at_end=False)
+                torch.cuda.synchronize()
+            allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - allocations
+    calls = {event.key: event.count for event in prof.key_averages()}
+    return allocated, calls.get("cudaGraphLaunch", 0), sum(calls.get(key, 0) for key in KERNEL_LAUNCH_CALLS)

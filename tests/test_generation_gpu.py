@@ -9,11 +9,10 @@ import copy
 
 import pytest
 import torch
+from _testing import graph_replay_counts
 
 import retrofit
 from retrofit.bench.configs import build_random_model
-from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
-from retrofit.generation.sampling import TokenChooser
 from retrofit.sparse import sparse_decoding
 from retrofit.variants import parse_variant_spec
 
@@ -71,26 +70,11 @@ def test_graph_replays_give_the_eager_tokens(cuda_model, variant, fuse_layers):
 @pytest.mark.parametrize("fuse_layers", [False, True])
 @pytest.mark.parametrize("variant", FUSED_VARIANTS)
 def test_replays_allocate_nothing_and_launch_one_graph_per_token(cuda_model, variant, fuse_layers):
-    from torch.profiler import ProfilerActivity, profile
-
     ids, mask = _prompt()
-    with _opened(cuda_model, variant) as model, torch.no_grad():
-        generation = StaticGeneration(model, ids, mask, 64, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=fuse_layers)
-        loop = DecodeLoop(generation, use_graph=True)
-        with generation.installed():
-            generation.prefill()
-            loop.run(3, stop_at_end=False)  # eager step, capture, first replay
-            torch.cuda.synchronize()
-            allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                loop.run(32, stop_at_end=False)
-                torch.cuda.synchronize()
-            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations  # replays allocate nothing
-    calls = {event.key: event.count for event in prof.key_averages()}
-    assert calls.get("cudaGraphLaunch", 0) == 32
-    kernel_launches = sum(count for key, count in calls.items()
-                          if key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+    with _opened(cuda_model, variant) as model:
+        allocated, graph_launches, kernel_launches = graph_replay_counts(model, ids, mask, fuse_layers, steps=32)
+    assert allocated == 0  # replays allocate nothing
+    assert graph_launches == 32
     assert kernel_launches == 0  # every kernel of a step runs inside the graph
 
 

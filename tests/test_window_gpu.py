@@ -8,12 +8,11 @@ import copy
 
 import pytest
 import torch
+from _testing import graph_replay_counts
 
 import retrofit
 from retrofit.bench.configs import build_random_model
 from retrofit.convert.build import to_hybrid
-from retrofit.generation import DecodeLoop, SamplingOptions, StaticGeneration
-from retrofit.generation.sampling import TokenChooser
 from retrofit.hybrid import HybridSection
 
 pytestmark = pytest.mark.gpu
@@ -48,26 +47,11 @@ def test_graph_replays_give_the_eager_tokens(windowed, fuse_layers):
 
 @pytest.mark.parametrize("fuse_layers", [False, True])
 def test_replays_allocate_nothing_and_launch_one_graph_per_token(windowed, fuse_layers):
-    from torch.profiler import ProfilerActivity, profile
-
     ids, mask = _prompt()
-    with torch.no_grad():
-        generation = StaticGeneration(windowed, ids, mask, 64, TokenChooser(SamplingOptions(), ids.device), [], 0,
-                                      fuse_layers=fuse_layers)
-        loop = DecodeLoop(generation, use_graph=True)
-        with generation.installed():
-            generation.prefill()
-            loop.run(3, stop_at_end=False)  # eager step, capture, first replay
-            torch.cuda.synchronize()
-            allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                loop.run(32, stop_at_end=False)
-                torch.cuda.synchronize()
-            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
-    calls = {event.key: event.count for event in prof.key_averages()}
-    assert calls.get("cudaGraphLaunch", 0) == 32
-    assert sum(count for key, count in calls.items()
-               if key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")) == 0
+    allocated, graph_launches, kernel_launches = graph_replay_counts(windowed, ids, mask, fuse_layers, steps=32)
+    assert allocated == 0
+    assert graph_launches == 32
+    assert kernel_launches == 0
 
 
 @pytest.mark.parametrize("fuse_layers", [False, True])
