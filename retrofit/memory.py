@@ -193,5 +193,6 @@ class MemoryProbe:
             torch.cuda.synchronize(self.device)
             self.result.peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            hwm = _status_kib("VmHWM")
-            self.result.peak = hwm * 1024 if hwm is not None else current_rss_bytes()
+            from retrofit.devices import peak_rss_bytes
+
+            self.result.peak = peak_rss_bytes()
