@@ -20,11 +20,15 @@ adapted weight, never into the weight the teacher (or the caller's model) holds.
 final hidden states chunk by chunk (:func:`retrofit.convert.objectives.distillation_loss`): no ``[tokens, vocab]``
 logits of either model exist at once.
 
-FSDP trains a copy of the trained modules whose trainable parameters (new layers, LoRA) are sharded across ranks with
-their gradients and AdamW state; frozen weights are shared with the hybrid, and so with the dense teacher: held once
-per process, not sharded (the teacher runs them whole). Checkpoints hold full (unsharded) tensors in the layout of a
-one-process run, and at the end of each stage the full trained values are written back into the hybrid's own (plain)
-parameters, so LoRA merging and saving see ordinary tensors.
+FSDP (:mod:`retrofit.convert.sharding`) shards a copy of the teacher and of what a stage trains, every weight once:
+the trained parameters (new layers, LoRA) with their gradients and AdamW state, and the frozen weights, which the
+student holds as the teacher's own tensors, so that one set of shards (1/world of them per process) serves the
+teacher's pass and the student's. One unit per decoder layer holds both models' modules of that layer, all-gathered
+just in time for either pass; the root holds the embeddings, final norm and LM head. While a stage runs, the dense
+model's and the hybrid's own frozen tensors are emptied; at its end they get their full values back (the same
+values, bit for bit), and the full trained values are written into the hybrid's own (plain) parameters, so LoRA
+merging and saving see ordinary tensors. Checkpoints hold full (unsharded) tensors in the layout of a one-process
+run.
 """
 from __future__ import annotations
 
