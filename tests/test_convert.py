@@ -269,30 +269,35 @@ def _ranks_stderr(result, cwd, tail=2500):
     return "\n".join(parts)
 
 
-def _torchrun_convert(calib_data_dir, cwd, *options):
-    """``torchrun --nproc-per-node 2 -m retrofit.convert.command convert smollm2-135m`` on 2 CPU processes (gloo),
-    1 window per process per step, with the settings of :func:`stage2_one_process` plus ``options``."""
+def _torchrun(cwd, *command):
+    """``torchrun --nproc-per-node 2 COMMAND`` on 2 CPU processes (gloo, one thread each), each rank's output kept
+    under ``cwd`` (:func:`_ranks_stderr`)."""
     import os
     import socket
     import subprocess
     import sys
 
-    settings = ["--layers", STAGE2_ONLY["layers"], "--tokens", str(STAGE2_ONLY["tokens"]), "--seq-len",
-                str(STAGE2_ONLY["seq_len"]), "--stage1-fraction", str(STAGE2_ONLY["stage1_fraction"]),
-                "--checkpoint-every", str(STAGE2_ONLY["checkpoint_every"]), "--device", "cpu"]  # gloo, also on GPU hosts
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "--log-dir", str(Path(cwd) / TORCHRUN_LOGS), "--tee", "3",
-         "-m", "retrofit.convert.command", "convert", "smollm2-135m",
-         "--recipe", "smollm2-135m/cpu-small", "--data", str(calib_data_dir / "walden.txt"), *settings, "--quiet",
-         "--batch-size", "1", *map(str, options)],
+         "--master-port", str(port), "--log-dir", str(Path(cwd) / TORCHRUN_LOGS), "--tee", "3", *map(str, command)],
         # Not from the repository root: there `python -m` would put the source tree's top-level `kernels/` folder on
         # sys.path, where transformers' probe for Hugging Face's `kernels` package would find it.
         capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+
+
+def _torchrun_convert(calib_data_dir, cwd, *options):
+    """``torchrun --nproc-per-node 2 -m retrofit.convert.command convert smollm2-135m`` on 2 CPU processes (gloo),
+    1 window per process per step, with the settings of :func:`stage2_one_process` plus ``options``."""
+    settings = ["--layers", STAGE2_ONLY["layers"], "--tokens", str(STAGE2_ONLY["tokens"]), "--seq-len",
+                str(STAGE2_ONLY["seq_len"]), "--stage1-fraction", str(STAGE2_ONLY["stage1_fraction"]),
+                "--checkpoint-every", str(STAGE2_ONLY["checkpoint_every"]), "--device", "cpu"]  # gloo, also on GPU hosts
+    return _torchrun(cwd, "-m", "retrofit.convert.command", "convert", "smollm2-135m",
+                     "--recipe", "smollm2-135m/cpu-small", "--data", calib_data_dir / "walden.txt", *settings,
+                     "--quiet", "--batch-size", "1", *options)
 
 
 def test_ddp_two_processes_match_one_process(stage2_one_process, calib_data_dir, tmp_path):
@@ -359,6 +364,27 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     assert not work_dir_for(out).exists()  # training checkpoint removed after the finished run
     hybrid = load_hybrid(out)  # the saved hybrid holds plain full tensors and loads back
     assert torch.equal(hybrid.model.layers[27].self_attn.o_norm.weight, fsdp["model.layers.27.self_attn.o_norm.weight"])
+
+
+def test_fsdp_shards_the_frozen_weights_once_for_teacher_and_student(calib_data_dir, tmp_path):
+    """Under ``parallel: fsdp`` on 2 CPU processes each holds half of the frozen weights, in both stages: the
+    teacher's pass and the student's read one set of shards (the student's frozen weights add no byte to the
+    teacher's), one all-gather serves both, and after training the dense model is back bit for bit and the hybrid
+    holds plain tensors sharing its storage (``tests/_fsdp_shards.py`` measures each rank)."""
+    result = _torchrun(tmp_path, Path(__file__).parent / "_fsdp_shards.py", tmp_path, calib_data_dir / "walden.txt")
+    assert result.returncode == 0, _ranks_stderr(result, tmp_path)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for report in reports:
+        whole = report["whole"]
+        assert 5.3e8 < whole < 5.5e8  # SmolLM2-135M: 134.5M weights in float32
+        for stage in ("1", "2"):
+            # half, but for FSDP's padding: a tensor whose first dimension does not split evenly gets equal shards
+            # by padding (at most one row a tensor, under 0.1% of these weights; SmolLM2's dimensions are all even).
+            # A teacher left whole gives 1.0 or more, the teacher's and the student's shards apart 1.0
+            assert abs(report["held"][stage] / whole - 0.5) < 0.002, report["held"]
+            assert report["student_adds"][stage] == 0
+        assert len(report["same_gathered"]) == 1 and all(report["same_gathered"])
+        assert report["dense_unchanged"] and report["hybrid_plain"]
 
 
 def test_fsdp_stage1_matches_ddp_stage1(calib_data_dir, tmp_path):

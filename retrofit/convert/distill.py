@@ -20,18 +20,22 @@ adapted weight, never into the weight the teacher (or the caller's model) holds.
 final hidden states chunk by chunk (:func:`retrofit.convert.objectives.distillation_loss`): no ``[tokens, vocab]``
 logits of either model exist at once.
 
-FSDP trains a copy of the trained modules whose trainable parameters (new layers, LoRA) are sharded across ranks with
-their gradients and AdamW state; frozen weights are shared with the hybrid, and so with the dense teacher: held once
-per process, not sharded (the teacher runs them whole). Checkpoints hold full (unsharded) tensors in the layout of a
-one-process run, and at the end of each stage the full trained values are written back into the hybrid's own (plain)
-parameters, so LoRA merging and saving see ordinary tensors.
+FSDP (:mod:`retrofit.convert.sharding`) shards a copy of the teacher and of what a stage trains, every weight once:
+the trained parameters (new layers, LoRA) with their gradients and AdamW state, and the frozen weights, which the
+student holds as the teacher's own tensors, so that one set of shards (1/world of them per process) serves the
+teacher's pass and the student's. One unit per decoder layer holds both models' modules of that layer, all-gathered
+just in time for either pass; the root holds the embeddings, final norm and LM head. While a stage runs, the dense
+model's and the hybrid's own frozen tensors are emptied; at its end they get their full values back (the same
+values, bit for bit), and the full trained values are written into the hybrid's own (plain) parameters, so LoRA
+merging and saving see ordinary tensors. Checkpoints hold full (unsharded) tensors in the layout of a one-process
+run.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -92,6 +96,26 @@ class TrainingPaused(Exception):
         self.stage, self.step = stage, step
 
 
+@dataclass
+class PreparedStage:
+    """What one stage runs. ``student(*args)``: the student pass (through DDP or FSDP where they wrap it);
+    ``student_root``: the module that pass runs, unwrapped; ``teacher``: the dense model the teacher pass reads (under
+    FSDP its sharded copy); ``teacher_pass(run)``: ``run()``, the teacher's pass (under FSDP through FSDP's root);
+    ``checkpointed``: what checkpoints read; ``start``: the step to start at; ``finish()``: writes FSDP's trained
+    values back into the stage's module and the frozen weights back, full, into the dense model and the hybrid."""
+
+    student: Callable
+    student_root: nn.Module
+    teacher: nn.Module
+    teacher_pass: Callable[[Callable], object]
+    checkpointed: nn.Module
+    params: list
+    opt: torch.optim.Optimizer
+    sched: object
+    start: int
+    finish: Callable[[], None]
+
+
 class Distiller:
     """Runs stage 1 and stage 2 on a hybrid built from ``dense`` and returns the trained hybrid (LoRA merged).
 
@@ -124,6 +148,8 @@ class Distiller:
         self.bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
         self.frozen_dtype = parse_dtype(config.frozen_dtype)
         self.history: dict[str, list[float]] = {"stage1": [], "stage2": []}
+        self.frozen_bytes_held: dict[int, int] = {}  # stage -> bytes of frozen weights this process holds under FSDP
+        self.running: PreparedStage | None = None  # the stage being trained (what on_step may look at)
 
     # ----- shared plumbing -----
     def _autocast(self):
@@ -157,33 +183,32 @@ class Distiller:
         return self.world_size > 1 and self.config.parallel == "fsdp"
 
     def _prepare(self, stage: int, module: nn.Module, groups: list[dict], steps: int,
-                 make_root: Callable[[nn.Module], nn.Module], units: Callable[[nn.Module], list[nn.Module]]):
-        """Optimizer, resume point and the module to run for one stage.
+                 make_root: Callable[[nn.Module], nn.Module],
+                 units: Callable[[nn.Module], dict[int, nn.Module]]) -> "PreparedStage":
+        """Optimizer, resume point and the teacher and student to run for one stage.
 
         ``module``: what checkpoints name (the aligner, or the peft model); ``groups``: its trainable parameters as
-        optimizer groups; ``make_root(module)``: the module whose forward a step calls; ``units(module)``: the
-        submodules FSDP shards one by one. Returns ``(root, checkpointed, params, opt, sched, start, finish)``;
-        ``finish()`` writes FSDP's trained values back into ``module`` (nothing to do without FSDP).
+        optimizer groups; ``make_root(module)``: the module whose forward the student pass calls; ``units(module)``:
+        layer index -> the module of that layer the student runs, which FSDP shards as a unit (with the teacher's
+        block of that layer: :mod:`retrofit.convert.sharding`).
         """
         if not self.sharded:
             params = [p for group in groups for p in group["params"]]
             opt, sched = self._optimizer(groups, steps)
             start = self._resume_point(stage, module, opt, sched)
-            return self._wrap(make_root(module)), module, params, opt, sched, start, lambda: None
-        from torch.distributed.fsdp import fully_shard
+            root = make_root(module)
+            self.running = PreparedStage(self._wrap(root), root, self.dense, lambda run: run(), module, params, opt,
+                                         sched, start, lambda: None)
+            return self.running
+        from retrofit.convert.sharding import frozen_bytes_held, shard_teacher_and_student
 
         resuming = self.saved is not None and self.saved["stage"] == stage
         if resuming:
             load_trainable_state(module, self.saved["model"])
-        frozen = {p for p in module.parameters() if not p.requires_grad}
-        trained = copy.deepcopy(module, memo={id(p): p for p in frozen})  # frozen weights shared, not copied
-        root = make_root(trained)
-        for unit in units(trained):
-            if any(p.requires_grad for p in unit.parameters()):
-                fully_shard(unit, ignored_params={p for p in unit.parameters() if not p.requires_grad})
-        fully_shard(root, ignored_params={p for p in root.parameters() if not p.requires_grad})
+        pair = shard_teacher_and_student(self.dense, module, [self.dense, self.hybrid], make_root, units)
+        self.frozen_bytes_held[stage] = frozen_bytes_held(self.dense, self.hybrid, pair.teacher, pair.student)
         names = {id(p): name for name, p in module.named_parameters()}
-        copies = dict(trained.named_parameters())
+        copies = dict(pair.student.named_parameters())
         sharded_groups = [{**group, "params": [copies[names[id(p)]] for p in group["params"]]} for group in groups]
         params = [p for group in sharded_groups for p in group["params"]]
         opt, sched = self._optimizer(sharded_groups, steps)
@@ -195,14 +220,18 @@ class Distiller:
             start = int(self.saved["step"])
 
         def finish() -> None:
-            """Full trained values (all-gathered on every rank) -> the plain parameters of ``module``."""
-            trained_values = trainable_state(trained)
+            """Full trained values (all-gathered on every rank) -> the plain parameters of ``module``; the frozen
+            weights full again in the dense model and the hybrid."""
+            trained_values = trainable_state(pair.student)
             originals = dict(module.named_parameters())
             with torch.no_grad():
                 for name, value in trained_values.items():
                     originals[name].copy_(value.to(originals[name].device))
+            pair.restore()
 
-        return root, trained, params, opt, sched, start, finish
+        self.running = PreparedStage(pair.student_pass, pair.root.student, pair.teacher, pair.teacher_pass,
+                                     pair.student, params, opt, sched, start, finish)
+        return self.running
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         if self.world_size == 1:
@@ -360,35 +389,34 @@ class Distiller:
         if self.config.stage1_target == "block":  # whole decoder blocks; only their converted attention trains
             blocks = architecture.of(self.hybrid).blocks(self.hybrid)
             aligner = BlockAligner({i: blocks[i] for i in self.layers}).train()
-            capture = BlockCapture(self.dense, self.layers)
         else:
             aligner = LayerAligner(self.converted_layers()).train()
-            capture = AttentionCapture(self.dense, self.layers)
         for layer in self.converted_layers().values():
             layer.requires_grad_(True)
         params = [p for p in aligner.parameters() if p.requires_grad]
-        try:
-            wrapped, module, params, opt, sched, start, finish = self._prepare(
-                1, aligner, [{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps,
-                make_root=lambda m: m, units=lambda m: list(m.converted.values()))
-        except BaseException:
-            capture.remove()
-            raise
+        stage = self._prepare(1, aligner, [{"params": params, "lr": self.config.lr_stage1}], self.plan.stage1_steps,
+                              make_root=lambda m: m, units=lambda m: {int(i): layer for i, layer in m.converted.items()})
+        if self.config.stage1_target == "block":
+            capture = BlockCapture(stage.teacher, self.layers)
+        else:
+            capture = AttentionCapture(stage.teacher, self.layers)
 
         def step_fn(batch, accumulation):
             with self._autocast():
-                records = capture.run(self.dense, batch)
+                records = stage.teacher_pass(lambda: capture.run(stage.teacher, batch))
             if self.world_size == 1:  # one layer's autograd graph at a time; DDP and FSDP run the aligner whole
                 return aligner.backward_layer_by_layer(records, accumulation, self._autocast)
             with self._autocast():
-                loss = wrapped(records)
+                loss = stage.student(records)
             return _backward(loss, accumulation)
 
         try:
-            self._loop(1, self.plan.stage1_steps, start, step_fn, params, opt, sched, module)
+            self._loop(1, self.plan.stage1_steps, stage.start, step_fn, stage.params, stage.opt, stage.sched,
+                       stage.checkpointed)
         finally:
             capture.remove()
-        finish()
+        stage.finish()
+        self.running = None
 
     def stage2(self) -> nn.Module:
         torch.manual_seed(self.config.seed + 2)  # LoRA init does not depend on how stage 1 went (resume-safe)
@@ -428,23 +456,23 @@ class Distiller:
         def base(m: nn.Module) -> nn.Module:  # the hybrid inside a peft model
             return m.get_base_model() if use_lora else m
 
-        wrapped, module, params, opt, sched, start, finish = self._prepare(
+        stage = self._prepare(
             2, model, param_groups, self.plan.stage2_steps,
             make_root=lambda m: StudentTail(base(m), first, self.config.checkpoint_activations_from, logits=False,
                                             block_outputs=cosine),
-            units=lambda m: list(architecture.of(base(m)).blocks(base(m))[first:]))
-        student_model = getattr(wrapped, "module", wrapped).model  # the hybrid that the root runs (DDP wraps it)
-        student_head = functools.partial(output_logits, student_model)
-        teacher_head = functools.partial(output_logits, self.dense)
-        capture = DecoderInputCapture(self.dense, first)
-        teacher_blocks = BlockOutputCapture(self.dense, first) if cosine else None
+            units=lambda m: {i: block for i, block in enumerate(architecture.of(base(m)).blocks(base(m))) if i >= first})
+        student_head = functools.partial(output_logits, stage.student_root.model)  # the hybrid that the pass runs
+        teacher_head = functools.partial(output_logits, stage.teacher)
+        capture = DecoderInputCapture(stage.teacher, first)
+        teacher_blocks = BlockOutputCapture(stage.teacher, first) if cosine else None
 
         def step_fn(batch, accumulation):
             with self._autocast():
                 with torch.no_grad():
-                    teacher = self.dense.base_model(input_ids=batch, use_cache=False).last_hidden_state
+                    teacher = stage.teacher_pass(
+                        lambda: stage.teacher.base_model(input_ids=batch, use_cache=False).last_hidden_state)
                 record = capture.record
-                student = wrapped(record["hidden_states"], record["kwargs"])
+                student = stage.student(record["hidden_states"], record["kwargs"])
                 if cosine:
                     student, student_blocks = student
                 targets = next_token_targets(batch) if self.config.ce_weight > 0 else None
@@ -456,13 +484,16 @@ class Distiller:
             return _backward(loss, accumulation)
 
         try:
-            self._loop(2, self.plan.stage2_steps, start, step_fn, params, opt, sched, module)
+            self._loop(2, self.plan.stage2_steps, stage.start, step_fn, stage.params, stage.opt, stage.sched,
+                       stage.checkpointed)
         finally:
             capture.remove()
             if teacher_blocks is not None:
                 teacher_blocks.remove()
-        finish()
-        del wrapped, module, params, opt, sched, student_model, student_head  # AdamW state freed before the merge
+        stage.finish()
+        self.running = None
+        # AdamW state (and under FSDP the stage's copies of both models) freed before the merge
+        stage = student_head = teacher_head = None
         if use_lora:
             model = merge_lora(model, self.frozen_dtype)
         model.requires_grad_(False)

@@ -4,7 +4,9 @@
 What the run holds (one process; :mod:`retrofit.convert.distill` says why each is so):
 
 - the dense model's weights once, in ``frozen_dtype``: the teacher runs them and the student's frozen part is the
-  same tensors;
+  same tensors; under FSDP each process holds its shard of them, and all-gathers the embeddings and LM head for a
+  step and a decoder layer (two in the backward pass) at a time, for both models (:mod:`retrofit.convert.sharding`);
+  the LoRA merge at the end holds them whole again;
 - what trains, in float32: the converted layers (stages 1 and 2) and the LoRA adapters (stage 2), their gradients
   and AdamW's two moments (FSDP shards these three over the processes; DDP adds a gradient bucket of the same size);
   under bf16 autocast also autocast's bfloat16 copies of these weights, cached for the step;
@@ -257,6 +259,7 @@ class MemoryPlan:
     device: str
     device_memory: int | None
     layers_assumed: bool = False
+    frozen_bytes_held: int | None = None  # what one process holds of frozen_bytes while training (FSDP: a part)
 
     @property
     def peak(self) -> PlanRow:
@@ -284,7 +287,9 @@ class MemoryPlan:
         lines = [f"memory plan: {self.model}, {layers}; {self.world_size} process(es)"
                  + (f", {self.parallel}" if self.world_size > 1 else ""),
                  f"frozen weights, shared by teacher and student: {self.frozen_params:,} parameters in "
-                 f"{self.frozen_dtype}, {_gib(self.frozen_bytes)}",
+                 f"{self.frozen_dtype}, {_gib(self.frozen_bytes)}"
+                 + (f"; sharded, at most {_gib(self.frozen_bytes_held)} per process while training (its shard, the "
+                    "embeddings and LM head, two layers all-gathered)" if sharded else ""),
                  f"trained parameters: {self.converted_params + self.lora_params:,} ({self.converted_params:,} in the "
                  f"converted layers, {self.lora_params:,} LoRA), float32: weights {_gib(self.trained_bytes)}, "
                  f"gradients {_gib(self.gradient_bytes)}, AdamW state {_gib(self.optimizer_bytes)}{sharded}"
@@ -403,6 +408,12 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
     optimizer_bytes = ADAMW_MOMENTS * FLOAT32 * trained // shard
     autocast_bytes = 2 * trained if p.autocast else 0
     frozen_bytes = frozen_params * frozen_bytes_per
+    frozen_held = frozen_bytes
+    if shard > 1:  # each process holds its shard; what runs is all-gathered just in time (retrofit.convert.sharding)
+        layer_params = [sum(p.numel() for p in block.parameters()) for block in arch.blocks(skeleton)]
+        outside_layers = frozen_params - sum(layer_params)  # the root's: embeddings, final norm, LM head, gathered
+        # for a whole step; of the layers, the one running and the one prefetched for the backward
+        frozen_held = frozen_bytes // shard + frozen_bytes_per * (outside_layers + 2 * max(layer_params))
 
     dims = Dims.of(skeleton.config, spec.expand_kv)
     per_channel = bool(getattr(LAYER_TYPES.get(layer_type), "per_key_decay", False))
@@ -422,7 +433,7 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
                        blocks[i].named_modules() if isinstance(m, torch.nn.Linear)
                        and not (i in converted and name.startswith(f"{arch.attention}."))) \
         if p.autocast and p.residual != 2 else 0
-    static = frozen_bytes + trained_bytes + gradient_bytes + optimizer_bytes + autocast_bytes
+    static = frozen_held + trained_bytes + gradient_bytes + optimizer_bytes + autocast_bytes
     residual = p.residual * dims.hidden
 
     def stage2_activations(tokens: int, checkpointed: bool) -> int:
@@ -448,7 +459,7 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
         graphs = len(layers) if world_size > 1 else 1  # one process backpropagates one layer at a time
         activations = tokens * (records + aligned * (graphs + 1))
         activations = max(activations, tokens * teacher_pass_bytes(dims, p) + tokens * records)
-        stage1_static = frozen_bytes + (FLOAT32 * (2 + ADAMW_MOMENTS) * converted_params) // shard
+        stage1_static = frozen_held + (FLOAT32 * (2 + ADAMW_MOMENTS) * converted_params) // shard
         stage1_static += (FLOAT32 * converted_params if ddp_bucket else 0) + (2 * converted_params if p.autocast else 0)
         rows.append(PlanRow("stage 1", config.seq_len, config.batch_size, activations, activations, False,
                             stage1_static + activations))
@@ -471,7 +482,7 @@ def plan_memory(model_config, layers: list[int] | None, layer_type: str, spec, c
     return MemoryPlan(model_name, layer_type, list(layers), num_layers, first, config.frozen_dtype, frozen_params,
                       frozen_bytes, converted_params, lora_params, adapted_params, trained_bytes, gradient_bytes,
                       optimizer_bytes, autocast_bytes, merge_bytes, world_size, config.parallel, rows, str(device),
-                      device_memory, assumed)
+                      device_memory, assumed, frozen_held)
 
 
 def resolved_checkpointing(plan: MemoryPlan) -> int:
