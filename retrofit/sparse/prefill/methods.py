@@ -158,14 +158,20 @@ class XAttention(PrefillMethod):
             & ((query_run[None, :, None] + 1) * S > start[:, None, None])  # [B, runs_q, runs_k]
         mass = torch.zeros(B, Hq, grid.rows, grid.key_blocks, device=query.device, dtype=torch.float32)
         bytes_per_row = 4 * B * Hq * per_block * runs_k.shape[2] * 2
+        # On CUDA the products run in the half-precision dtype the attention receives (tensor cores, fp32
+        # accumulation; logits rounded to it once): in fp32 they took most of a 127K-token prefill's time
+        operand = query.dtype if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else torch.float32
         for lo, hi in _row_slices(grid.rows, bytes_per_row):
             rows = slice(lo * per_block, hi * per_block)
-            logits = torch.einsum("bhgrx,bhcx->bhgrc", runs_q[:, :, :, rows].float(), runs_k.float())
-            logits = logits.reshape(B, Hq, -1, runs_k.shape[2]) * (scale / S)
-            logits = logits.masked_fill(~visible[:, None, rows], float("-inf"))
+            # causal: no key run after the slice's last query run is visible to it (a whole number of blocks)
+            key_runs = min(runs_k.shape[2], first // S + hi * per_block)
+            logits = torch.einsum("bhgrx,bhcx->bhgrc", runs_q[:, :, :, rows].to(operand),
+                                  runs_k[:, :, :key_runs].to(operand)).float()
+            logits = logits.reshape(B, Hq, -1, key_runs) * (scale / S)
+            logits = logits.masked_fill(~visible[:, None, rows, :key_runs], float("-inf"))
             weights = torch.softmax(logits, -1).nan_to_num(0.0)  # a run with nothing visible: zeros
-            blocks = weights.view(B, Hq, hi - lo, per_block, grid.key_blocks, per_block).sum((3, 5))
-            mass[:, :, lo:hi] = blocks
+            blocks = weights.view(B, Hq, hi - lo, per_block, key_runs // per_block, per_block).sum((3, 5))
+            mass[:, :, lo:hi, : key_runs // per_block] = blocks
         return _normalised(mass)
 
 
