@@ -148,7 +148,7 @@ def inspect(model: str, device: str, dtype: str) -> None:
                    "\"What is the capital of France?\"\n  retrofit generate smollm2-135m --prompt \"Once upon a time\" "
                    "--temperature 0.8 --top-p 0.95 --seed 1\n  retrofit generate smollm2-135m --prompt \"...\" "
                    "--sparse quest --budget 1024\n  retrofit generate smollm2-135m --prompt \"...\" --prefill xattention "
-                   "--prefill-arg threshold=0.9\n  retrofit generate qwen2.5-0.5b --prompt-file notes.txt "
+                   "--prefill-arg min_length=0\n  retrofit generate qwen2.5-0.5b --prompt-file notes.txt "
                    "--max-new-tokens 64",
               short_help="Generate text (dense, hybrid, sparse prefill or sparse decoding).")
 @click.argument("model")

@@ -62,7 +62,7 @@ class PrefillMethod(ABC):
     ``local_blocks``: blocks ending at the query block's own always computed (the diagonal and the ones before it);
     ``max_density``: at most this share of the causal blocks per query block (the sinks and local blocks always),
     e.g. to time a fixed density on random weights; ``min_length``: a call over fewer keys runs dense attention
-    (default :data:`DEFAULT_MIN_LENGTH`, a placeholder until the length where sparse prefill pays is measured).
+    (default :data:`DEFAULT_MIN_LENGTH`, from a measurement: see :mod:`retrofit.prefill_defaults`).
     """
 
     threshold: float = 0.9
