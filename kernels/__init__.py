@@ -15,7 +15,8 @@ that the launch heuristics of several folders read.
 - ``naive_*``: the pure-PyTorch references the kernels are tested against.
 - ``sparse_decode``: one decode token's attention over selected cache blocks, block scoring, top-k.
 - ``sparse_prefill_attention``: a prefill chunk's causal attention over the key blocks selected per query block and
-  head (block-sparse prefill), ``sparse_prefill_attention_ref`` its reference.
+  head (block-sparse prefill), ``sparse_prefill_attention_ref`` its reference; ``sparse_prefill.antidiagonal_block_mass``
+  the fused estimate XAttention chooses those blocks by.
 - ``rms_norm`` / ``add_rms_norm`` (RMSNorm, optionally after the residual add), ``silu_mul`` (the gated MLP's
   activation), ``rotary_qk`` / ``rotary_qk_into_cache`` (a decode token's rotary embedding, optionally writing k and v
   into a static cache): the fused pieces of a decoder layer's decode step, inference only.

@@ -38,6 +38,8 @@ OPS: dict[str, tuple[str, str]] = {
                                 "sparse_decode.reference:sparse_decode_attention_ref"),
     "sparse_prefill_attention": ("sparse_prefill.attention:sparse_prefill_attention_triton",
                                  "sparse_prefill.reference:sparse_prefill_attention_ref"),
+    "antidiagonal_block_mass": ("sparse_prefill.estimate:antidiagonal_block_mass_triton",
+                                "sparse_prefill.reference:antidiagonal_block_mass_ref"),
     "quest_page_scores": ("sparse_decode.scoring:quest_page_scores_triton", "sparse_decode.reference:quest_page_scores_ref"),
     "cluster_scores": ("sparse_decode.scoring:cluster_scores_triton", "sparse_decode.reference:cluster_scores_ref"),
     "topk_indices": ("sparse_decode.topk:topk_indices_triton", "sparse_decode.reference:topk_indices_ref"),

@@ -2,11 +2,11 @@
 can print it in ``--help`` without importing torch or transformers."""
 
 # Prefill calls over fewer keys than this run dense attention (PrefillMethod.min_length's default). Measured on an H100
-# (2026-12-07, `retrofit bench llama3-8b --batch 1 --variant prefill:xattention:max_density=0.1,min_length=0`, bf16,
-# 10-13% of the blocks computed): the sparse prefill took longer than dense at 1K-32K (0.34x-0.90x dense's speed) and
-# less at 127K (1.07x); this lies between the longest length it lost at and the shortest it won at. That was before
-# the estimate's products moved to bf16 and its causal half: measure again and lower it where it then pays.
+# (2026-12-07, `retrofit bench llama3-8b --context 4k,8k,16k,32k,64k,127k --batch 1 --variant
+# prefill:xattention:max_density=0.1,min_length=0`, bf16, 10-18% of the blocks computed, XAttention's fused estimate):
+# the sparse prefill's speed against dense was 0.77x / 0.89x at 4K / 8K and 1.07x / 1.33x / 1.78x / 2.37x at 16K /
+# 32K / 64K / 127K; this is the shortest length it won at (the longest it lost at: 8,192).
 # The default, the CLI help (MIN_LENGTH_HELP) and the tests all read it here: change it here only.
-DEFAULT_MIN_LENGTH = 65536
+DEFAULT_MIN_LENGTH = 16384
 MIN_LENGTH_HELP = (f"calls over fewer keys than min_length (default {DEFAULT_MIN_LENGTH}, where it paid on an H100) "
                    "run dense")

@@ -18,7 +18,8 @@ PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", HISTORY / "README.md", *DOC
 AREAS = {"Linear-attention kernels": "linear-attention-kernels.md",
          "Sparse decoding: kernel speed": "sparse-decoding-kernel-speed.md",
          "Sparse decoding: accuracy": "sparse-decoding-accuracy.md", "Conversion": "conversion.md",
-         "End-to-end generation": "end-to-end-generation.md", "Loading": "loading.md", "Evaluation": "evaluation.md"}
+         "End-to-end generation": "end-to-end-generation.md", "Loading": "loading.md", "Evaluation": "evaluation.md",
+         "Sparse prefill": "sparse-prefill.md"}
 TOP_LEVEL = ("retrofit/", "kernels/", "benchmarks/", "recipes/", "tests/", "docs/", ".ci/", "cli.py", "pyproject.toml",
              "README.md", "BENCHMARKS.md")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

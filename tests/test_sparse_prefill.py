@@ -500,3 +500,24 @@ def test_bench_prints_the_blocks_each_layer_computed(tmp_path):
     mean = table[4].split(" | ")
     assert mean[0] == "| mean" and mean[1] == "dense"
     assert mean[2].rstrip(" |") == f"{100 * sum(sparse[1]['blocks_computed'].values()) / 2:.1f}"
+
+
+def test_eval_reports_the_blocks_each_task_computed(tmp_path):
+    """`retrofit eval` beside dense: under a sparse prefill the share of the causal blocks each task's prefill
+    computed, in the JSON and as a table row; a sparse prefill whose min_length the prompts stay under runs every
+    call dense (100%)."""
+    import json
+
+    out = tmp_path / "eval.json"
+    sparse, under = ("prefill:xattention:block_size=32,min_length=0,threshold=0.5",
+                     "prefill:xattention:block_size=32,min_length=8192")
+    result = run("eval", "smollm2-135m", "--tasks", "passkey", "--context-length", "512", "--limit", "1",
+                 "--device", "cpu", "--variant", sparse, "--variant", under, "--json", str(out))
+    assert result.exit_code == 0, result.output
+    blocks = json.loads(out.read_text())["prefill_blocks_computed"]
+    assert list(blocks) == ["prefill:xattention,block_size=32,min_length=0,threshold=0.5",
+                            "prefill:xattention,block_size=32,min_length=8192"]
+    share, dense_share = (variant["passkey@512"] for variant in blocks.values())
+    assert 0 < share < 1 and dense_share == 1.0
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| sparse prefill: blocks computed"))
+    assert row == f"| sparse prefill: blocks computed (%) | - | passkey@512 {100 * share:.1f} | passkey@512 100.0 |"

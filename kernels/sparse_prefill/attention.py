@@ -115,7 +115,10 @@ def sparse_prefill_attention_triton(
     if T == 0 or rows == 0:
         return out
     block_d = max(16, triton.next_power_of_2(D))
-    launch = {} if num_warps is None else {"num_warps": num_warps}
+    if num_warps is None:
+        # 128 x 128 tiles: 8 warps took 0.55-0.60x the time of Triton's default 4 on an H100 (Llama-3-8B's heads at
+        # 8K-127K, 10-13% of the blocks: benchmarks/sparse_prefill_parts.py, 2026-12-07)
+        num_warps = 8 if block_size >= 128 else 4
     _block_sparse_prefill_kernel[(rows, B * Hq)](
         q, k, v, out, indices, counts, kv_start,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -123,7 +126,7 @@ def sparse_prefill_attention_triton(
         indices.stride(0), indices.stride(1), indices.stride(2), counts.stride(0), counts.stride(1),
         kv_start.stride(0),
         Hq, T, N, D, q_offset, q_offset // block_size, scale * _LOG2E,
-        GROUP=Hq // Hkv, BLOCK=block_size, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, **launch,
+        GROUP=Hq // Hkv, BLOCK=block_size, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
     return out
 

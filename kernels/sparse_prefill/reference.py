@@ -95,3 +95,61 @@ def dense_prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                                            scale=scale, enable_gqa=True)
     out = out.masked_fill(~visible.any(-1)[:, None, :, None], 0.0)
     return out.transpose(1, 2).to(q.dtype)
+
+
+# The reference's largest fp32 intermediate, in bytes: it computes the strided logits in slices of query blocks
+# below it.
+ESTIMATE_BYTES = 256 * 1024 ** 2
+
+
+def antidiagonal_block_mass_ref(
+    runs_q: torch.Tensor,
+    runs_k: torch.Tensor,
+    kv_start: torch.Tensor,
+    runs_per_block: int,
+    stride: int,
+    first_run: int,
+    q_offset: int,
+    T: int,
+    logit_scale: float,
+) -> torch.Tensor:
+    """XAttention's block mass before its normalisation per query block, from the runs of ``stride`` positions.
+
+    runs_q [B, Hq, Rq, E]: query run ``first_run + r`` (absolute: positions ``[(first_run + r) * stride, ...)``) as
+    one vector of its ``stride`` queries read backwards (E = stride * head_dim; zeros outside the chunk or in the
+    padding); runs_k [B, Hkv, Rk, E]: key run ``c`` (positions ``[c * stride, ...)``) read forwards; kv_start [B] the
+    first valid key of each row; ``runs_per_block``: runs per block (block_size / stride) -> [B, Hq, Rq /
+    runs_per_block, Rk / runs_per_block] fp32: for each block pair, the sum over its query runs of the softmax
+    weights (over the key runs each query run sees: causal, in the row's real tokens, the query run inside the chunk
+    ``[q_offset, q_offset + T)``) of its key runs, the logits being ``runs_q . runs_k * logit_scale``. A query run
+    seeing nothing adds 0. GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. fp32 math, in slices of query
+    blocks under :data:`ESTIMATE_BYTES` of intermediates.
+    """
+    B, Hq, Rq, E = runs_q.shape
+    Hkv, Rk = runs_k.shape[1], runs_k.shape[2]
+    group, per_block, S = Hq // Hkv, runs_per_block, stride
+    device = runs_q.device
+    start = kv_start.long().to(device)
+    query_run = torch.arange(Rq, device=device) + first_run
+    key_run = torch.arange(Rk, device=device)
+    in_chunk = ((query_run + 1) * S > q_offset) & (query_run * S < q_offset + T)
+    visible = (key_run[None, None, :] <= query_run[None, :, None]) & in_chunk[None, :, None] \
+        & ((key_run[None, None, :] + 1) * S > start[:, None, None]) \
+        & ((query_run[None, :, None] + 1) * S > start[:, None, None])  # [B, Rq, Rk]
+    queries = runs_q.float().reshape(B, Hkv, group, Rq, E)
+    keys = runs_k.float()
+    rows, key_blocks = Rq // per_block, Rk // per_block
+    mass = torch.zeros(B, Hq, rows, key_blocks, device=device, dtype=torch.float32)
+    step = max(1, ESTIMATE_BYTES // max(4 * B * Hq * per_block * Rk * 2, 1))
+    for lo in range(0, rows, step):
+        hi = min(lo + step, rows)
+        runs = slice(lo * per_block, hi * per_block)
+        # causal: no key run after the slice's last query run is visible to it (a whole number of blocks)
+        key_runs = min(Rk, first_run + hi * per_block)
+        logits = torch.einsum("bhgrx,bhcx->bhgrc", queries[:, :, :, runs], keys[:, :, :key_runs])
+        logits = logits.reshape(B, Hq, -1, key_runs) * logit_scale
+        logits = logits.masked_fill(~visible[:, None, runs, :key_runs], float("-inf"))
+        weights = torch.softmax(logits, -1).nan_to_num(0.0)  # a run with nothing visible: zeros
+        blocks = weights.view(B, Hq, hi - lo, per_block, key_runs // per_block, per_block).sum((3, 5))
+        mass[:, :, lo:hi, : key_runs // per_block] = blocks
+    return mass

@@ -16,6 +16,7 @@ from retrofit.eval.tasks import Job
 from retrofit.generation import release
 from retrofit.memory import release_memory
 from retrofit.model_info import model_device
+from retrofit.sparse.prefill import active_prefill, share_computed
 from retrofit.variants import Variant, dense
 
 
@@ -25,7 +26,9 @@ class EvalReport:
     ``throughput[variant] = {tokens, seconds, tokens_per_s}``, ``config``, ``dense_by_construction[variant]`` (the
     tasks on which the variant cannot differ from dense: a decode-only variant on a task scored by forward passes
     alone, which takes dense's outcome there instead of running again) and ``samples[variant][task]`` (one record
-    per item, for ``--log-samples``)."""
+    per item, for ``--log-samples``); ``blocks_computed[variant][task]``: under a sparse prefill, the share of the
+    causal key blocks its prefill calls computed (every layer and call of the task pooled; calls that ran dense,
+    under ``min_length``, count every block)."""
 
     results: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     throughput: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -34,6 +37,7 @@ class EvalReport:
     samples: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
     batch_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     batch_auto: bool = False
+    blocks_computed: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def variants(self) -> list[str]:
@@ -41,7 +45,7 @@ class EvalReport:
 
     def to_json(self) -> dict[str, object]:
         return {"results": self.results, "dense_by_construction": self.dense_by_construction, "units": UNITS,
-                "throughput": self.throughput, "config": self.config}
+                "throughput": self.throughput, "config": self.config, "prefill_blocks_computed": self.blocks_computed}
 
 
 def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_size: int | str = 8,
@@ -66,7 +70,9 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
         throughput = Throughput()
         results: dict[str, dict[str, float]] = {}
         samples: dict[str, list[dict]] = {}
+        blocks: dict[str, float] = {}
         with variant.open(model, tokenizer) as evaluated, variant_running(variant.name):
+            prefill = active_prefill(evaluated)
             try:
                 for job in jobs:
                     if variant.decode_only and job.prefill_only:  # no decode step: dense's numbers, by construction
@@ -79,6 +85,9 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
                     else:
                         results[job.key] = summarize_against(outcome, dense_outcomes[job.key])
                     samples[job.key] = outcome.samples
+                    share = share_computed(prefill.take_calls()) if prefill is not None else None
+                    if share is not None:
+                        blocks[job.key] = share
             finally:
                 # the engine state kept for the variant's model (its static cache and captured step) is freed while
                 # the variant is still open, so that none of it is alive when the next variant allocates its own
@@ -87,6 +96,8 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
         release_memory(model_device(model))
         report.results[variant.name] = results
         report.samples[variant.name] = samples
+        if blocks:
+            report.blocks_computed[variant.name] = blocks
         unchanged = [job.key for job in jobs if variant.decode_only and job.prefill_only]
         if unchanged:
             report.dense_by_construction[variant.name] = unchanged

@@ -1,6 +1,7 @@
 """The Markdown table `retrofit eval` prints: tasks x metrics as rows (with each task's item count), variants as
 columns (dense first); each value with its uncertainty, each variant's value with its paired delta to dense and that
-delta's 95% interval, marked ``*`` when the interval excludes zero; a last row of tokens/s with the speed ratio.
+delta's 95% interval, marked ``*`` when the interval excludes zero; a row of tokens/s with the speed ratio; under a
+sparse prefill, the share of the causal key blocks each task's prefill computed.
 
 Fractions (``acc``, ``acc_norm``, ``score``, ``partial``, ``score_sd``, ``agree``) are shown in percent, ``ppl``
 and token counts (``agree_prefix``) as they are. A cell
@@ -107,6 +108,10 @@ def markdown_table(report: EvalReport) -> str:
         speed_cells.append("- (no task of its own: = dense)" if math.isnan(speed)
                            else f"{speed:.1f} ({speed / dense_speed:.2f}x)")
     lines.append("| tokens/s | " + " | ".join(speed_cells) + " |")
+    if report.blocks_computed:
+        lines.append("| sparse prefill: blocks computed (%) | " + " | ".join(
+            ", ".join(f"{task} {100 * share:.1f}" for task, share in report.blocks_computed[variant].items())
+            if variant in report.blocks_computed else "-" for variant in variants) + " |")
     if report.batch_auto:
         lines.append("| batch size (auto) | " + " | ".join(described(report.batch_sizes.get(variant, {})) or "-"
                                                            for variant in variants) + " |")  # -: ran no task

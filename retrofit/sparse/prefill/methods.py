@@ -21,12 +21,10 @@ import torch
 
 from retrofit.cliargs import coerce
 from retrofit.errors import RetrofitError
+from retrofit.kernels.sparse_prefill import antidiagonal_block_mass
 from retrofit.prefill_defaults import DEFAULT_MIN_LENGTH, MIN_LENGTH_HELP  # noqa: F401  (re-exported)
 from retrofit.registry import Registry
 from retrofit.sparse.prefill.blocks import BlockGrid, choose_blocks
-
-# An estimate's largest fp32 intermediate, in bytes: it is computed in slices of query blocks below this.
-ESTIMATE_BYTES = 256 * 1024 ** 2
 
 PREFILL_METHODS: Registry[type["PrefillMethod"]] = Registry("sparse prefill method")
 PARAMETER = "sparse prefill parameter"
@@ -108,12 +106,6 @@ class PrefillMethod(ABC):
         return choose_blocks(mass, causal, kept, self.threshold, self.max_density)
 
 
-def _row_slices(rows: int, bytes_per_row: int) -> list[tuple[int, int]]:
-    """[lo, hi) slices of ``rows`` query blocks, each under ESTIMATE_BYTES of intermediates (at least one block)."""
-    step = max(1, ESTIMATE_BYTES // max(bytes_per_row, 1))
-    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
-
-
 @register("xattention")
 @dataclass
 class XAttention(PrefillMethod):
@@ -133,7 +125,7 @@ class XAttention(PrefillMethod):
     def block_mass(self, query, key, grid, scale):
         B, Hq, T, D = query.shape
         Hkv, N = key.shape[1], key.shape[2]
-        group, S, bs = Hq // Hkv, self.stride, grid.block_size
+        S, bs = self.stride, grid.block_size
         per_block = bs // S
         start = grid.kv_start
         # queries of whole query blocks (positions before the chunk or padding: zero rows), keys of whole key blocks
@@ -148,30 +140,9 @@ class XAttention(PrefillMethod):
         key_positions = torch.arange(grid.key_blocks * bs, device=query.device)
         keys = keys.masked_fill((key_positions[None, :] < start[:, None])[:, None, :, None], 0)
         # antidiagonals: query run r read backwards, key run c forwards
-        runs_q = queries.view(B, Hq, -1, S, D).flip(3).reshape(B, Hkv, group, -1, S * D)
+        runs_q = queries.view(B, Hq, -1, S, D).flip(3).reshape(B, Hq, -1, S * D)
         runs_k = keys.view(B, Hkv, -1, S * D)
-        query_run = torch.arange(runs_q.shape[3], device=query.device) + first // S
-        key_run = torch.arange(runs_k.shape[2], device=query.device)
-        in_chunk = ((query_run + 1) * S > grid.q_offset) & (query_run * S < grid.q_offset + T)
-        visible = (key_run[None, None, :] <= query_run[None, :, None]) & in_chunk[None, :, None] \
-            & ((key_run[None, None, :] + 1) * S > start[:, None, None]) \
-            & ((query_run[None, :, None] + 1) * S > start[:, None, None])  # [B, runs_q, runs_k]
-        mass = torch.zeros(B, Hq, grid.rows, grid.key_blocks, device=query.device, dtype=torch.float32)
-        bytes_per_row = 4 * B * Hq * per_block * runs_k.shape[2] * 2
-        # On CUDA the products run in the half-precision dtype the attention receives (tensor cores, fp32
-        # accumulation; logits rounded to it once): in fp32 they took most of a 127K-token prefill's time
-        operand = query.dtype if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        for lo, hi in _row_slices(grid.rows, bytes_per_row):
-            rows = slice(lo * per_block, hi * per_block)
-            # causal: no key run after the slice's last query run is visible to it (a whole number of blocks)
-            key_runs = min(runs_k.shape[2], first // S + hi * per_block)
-            logits = torch.einsum("bhgrx,bhcx->bhgrc", runs_q[:, :, :, rows].to(operand),
-                                  runs_k[:, :, :key_runs].to(operand)).float()
-            logits = logits.reshape(B, Hq, -1, key_runs) * (scale / S)
-            logits = logits.masked_fill(~visible[:, None, rows, :key_runs], float("-inf"))
-            weights = torch.softmax(logits, -1).nan_to_num(0.0)  # a run with nothing visible: zeros
-            blocks = weights.view(B, Hq, hi - lo, per_block, key_runs // per_block, per_block).sum((3, 5))
-            mass[:, :, lo:hi, : key_runs // per_block] = blocks
+        mass = antidiagonal_block_mass(runs_q, runs_k, start, per_block, S, first // S, grid.q_offset, T, scale / S)
         return _normalised(mass)
 
 

@@ -102,6 +102,13 @@ def blocks_computed(calls: Iterable[PrefillCall]) -> dict[int, float]:
     return {layer: done / causal if causal else 1.0 for layer, (done, causal) in sorted(computed.items())}
 
 
+def share_computed(calls: Iterable[PrefillCall]) -> float | None:
+    """The share of the causal blocks that ``calls`` computed, every layer and call pooled (None: no call)."""
+    calls = list(calls)
+    causal = sum(call.causal for call in calls)
+    return sum(call.computed for call in calls) / causal if causal else None
+
+
 class SparsePrefill:
     """What ``sparse_prefill`` yields: the method, the layers it applies to, and a record of every prefill call
     (:attr:`calls`, :meth:`take_calls`, :func:`blocks_computed`)."""
