@@ -113,7 +113,8 @@ class XAttention(PrefillMethod):
     of S; the strided logit of query run ``r`` and key run ``c`` is ``sum_j q[rS + S-1-j] . k[cS + j]`` (the tile's
     antidiagonal) times ``scale / S``; a softmax over the causal runs of each query run, summed over the runs of
     each block pair and normalised per query block, is the block mass. Costs about ``1 / S`` of the attention's
-    ``q . k`` products (authors: S = 8 or 16 at blocks of 128, threshold 0.9)."""
+    ``q . k`` products (authors: S = 8 or 16 at blocks of 128, threshold 0.9), twice on CUDA, where one fused kernel
+    (``retrofit.kernels.sparse_prefill.antidiagonal_block_mass``) recomputes them rather than store the logits."""
 
     stride: int = 8
 
