@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import mmap
 import weakref
 
 import pytest
@@ -59,11 +60,17 @@ def test_tensor_bytes_counts_each_storage_once():
 
 
 def test_cpu_probe_sees_a_real_allocation():
-    # 256 MiB is above glibc's largest mmap threshold (32 MiB), so it is fresh memory, not a reused free block
+    # A fresh anonymous mapping, every page touched: new resident memory whatever the process freed before. (A
+    # malloc'ed block is not: glibc serves even a 256 MiB request from a free region of its heap when one is large
+    # enough, and such a region is already resident, so the RSS need not rise.)
+    size = 256 * 1024 * 1024
     with MemoryProbe(torch.device("cpu")) as probe:
-        block = torch.ones(256 * 1024 * 1024 // 4)  # touched, so resident
-        del block
-    # the peak RSS rose by the block (page granularity and allocator slack can add a little, never subtract)
+        mapping = mmap.mmap(-1, size)
+        pages = torch.frombuffer(mapping, dtype=torch.uint8)
+        pages.fill_(1)
+        del pages
+        mapping.close()
+    # the peak RSS rose by the mapping (page granularity and allocator slack can add a little, never subtract)
     assert probe.result.delta >= 250 * 1024 * 1024
     assert probe.result.kind == "process RSS"
 
