@@ -79,6 +79,7 @@ from retrofit.convert.plan import DistillConfig  # noqa: E402
 from retrofit.convert.selection import parse_layer_spec  # noqa: E402
 from retrofit.bench.configs import MODEL_CONFIGS  # noqa: E402
 from retrofit.hybrid import HybridSection  # noqa: E402
+from retrofit.memory import peak_memory_so_far, reset_peak_memory  # noqa: E402
 
 LAYERS = "11,12,24-29"  # what the scored selector chose for the kda-8of30* recipes
 
@@ -118,25 +119,6 @@ class StepClock:
             self.results[stage] = result
 
 
-def _reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: CUDA's allocation statistics, or the process's peak resident set (``clear_refs`` 5)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    from retrofit.devices import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
 def _hybrid(dense, section):
     """The student as ``retrofit convert`` builds it: the dense model's frozen tensors shared, float32 converted
     layers (an older checkout, ``--retrofit-from``: the copy it built)."""
@@ -167,7 +149,7 @@ def one_stage(dense, args, device: torch.device, stage: int, window: int) -> dic
              window: torch.randint(vocab, (per_micro * args.grad_accum * steps, window), generator=generator)}
     layers = list(parse_layer_spec(args.layers, dense.config.num_hidden_layers).indices)
     section = HybridSection(layers=layers, layer_type=args.layer_type, base_model_type=dense.config.model_type)
-    _reset_peak_memory(device)
+    reset_peak_memory(device)
     hybrid = _hybrid(dense, section)
     clock = StepClock(device, args.warmup, args.steps, count=args.count)
     distiller = Distiller(dense, hybrid, layers, config, pools, Path(args.work_dir), {"benchmark": True}, device,
@@ -176,7 +158,7 @@ def one_stage(dense, args, device: torch.device, stage: int, window: int) -> dic
         distiller.stage1()
     else:  # no stage 1: stage 2 straight from the attention-initialised layers
         distiller.stage2()
-    peak = _peak_memory(device)
+    peak, _ = peak_memory_so_far(device)
     del distiller, hybrid
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -30,13 +30,14 @@ def estimate_launches(method: XAttention, q, k, grid: BlockGrid, scale: float) -
     """Milliseconds of the fused estimate's kernel (block mass only, no choice) per launch setting: tile, features per
     product step, warps."""
     S, bs = method.stride, method.block_size
-    B, Hq, T, D = q.shape
-    runs_q = q.view(B, Hq, -1, S, D).flip(3).reshape(B, Hq, -1, S * D)
-    runs_k = k.reshape(B, k.shape[1], -1, S * D)
+    T = q.shape[2]
+    runs_q, runs_k = method.runs(q, k, grid)
+    first_run = grid.first_block * bs // S
     times = []
     for tile, block_e, warps in ((64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8), (128, 128, 8), (32, 128, 4)):
-        ms = timed(lambda: antidiagonal_block_mass_triton(runs_q, runs_k, grid.kv_start, bs // S, S, 0, 0, T,
-                                                          scale / S, tile=tile, block_e=block_e, num_warps=warps))
+        ms = timed(lambda: antidiagonal_block_mass_triton(runs_q, runs_k, grid.kv_start, bs // S, S, first_run,
+                                                          grid.q_offset, T, scale / S,
+                                                          tile=tile, block_e=block_e, num_warps=warps))
         times.append(f"tile {tile} e {block_e} w {warps}: {ms:.2f}")
     print(f"|   estimate kernel at {T}: " + "; ".join(times) + " |", flush=True)
 

@@ -28,6 +28,7 @@ _MESSAGES = ("out of memory", "can't allocate memory", "Cannot allocate memory",
              "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_MEMORY")
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+PROCESS_PEAK_RSS = "max RSS of the process"
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -130,8 +131,15 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def _reset_peak_rss() -> bool:
-    """Reset the process's VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+def reset_peak_memory(device=None) -> bool:
+    """Start a new peak for :func:`peak_memory_so_far`: CUDA's allocation statistics of a CUDA ``device``, else the
+    process's VmHWM, set to its current RSS (Linux >= 4.0: write 5 to clear_refs). False where the kernel does not
+    allow it: the peak then stays at least the high-water mark before."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
     try:
         _CLEAR_REFS.write_text("5")
         return True
@@ -146,6 +154,23 @@ def current_rss_bytes() -> int:
     import psutil  # not Linux: psutil is the portable fallback
 
     return psutil.Process().memory_info().rss
+
+
+def peak_memory_so_far(device=None) -> tuple[int, str]:
+    """``(bytes, measure)``: the peak memory since the statistics were last reset. On a CUDA ``device`` (or, with
+    none given, in a process that has used CUDA: its current device) the peak of tensors allocated there
+    (``torch.cuda.reset_peak_memory_stats`` resets it); otherwise the process's maximum resident set size."""
+    import torch
+
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is not None and torch.device(device).type == "cuda":
+        device = torch.device(device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return int(torch.cuda.max_memory_allocated(index)), f"torch.cuda.max_memory_allocated(cuda:{index})"
+    from retrofit.devices import peak_rss_bytes
+
+    return peak_rss_bytes(), PROCESS_PEAK_RSS
 
 
 @dataclass
@@ -182,7 +207,7 @@ class MemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.result = PeakMemory(baseline=torch.cuda.memory_allocated(self.device), kind="cuda allocated")
         else:
-            _reset_peak_rss()
+            reset_peak_memory()
             self.result = PeakMemory(baseline=current_rss_bytes(), kind="process RSS")
         return self
 

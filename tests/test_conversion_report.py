@@ -161,7 +161,7 @@ def test_convert_ends_with_the_report(converted, calib_data_dir):
     assert conversion["peak_memory_bytes_this_part"] == conversion["peak_memory_bytes"]
     # max RSS holds the float32 dense model (0.54 GB, shared by teacher and student) at least, and fits this machine
     assert 1.0e9 < conversion["peak_memory_bytes"] < 24 * 2 ** 30
-    assert conversion["peak_memory_measure"] == "max RSS of the converting process"
+    assert conversion["peak_memory_measure"] == "max RSS of the process"
     lines = result.stdout.splitlines()
     assert "| task / metric | dense | hybrid:hybrid |" in lines
     assert any(line.startswith("| fidelity agree_prefix (tokens), n=2 | 128.0 ± 0.0 | ") for line in lines)

@@ -331,7 +331,7 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     assert (state["stage"], state["step"], state["fingerprint"]["config"]["parallel"]) == (2, 1, "fsdp")
     # the paused part's wall time and peak memory are kept for the summary of the finished run
     parts = json.loads((work_dir_for(out) / PARTS_FILE).read_text())
-    assert parts["seconds"] > 0 and parts["peak_memory_measure"] == "max RSS of the converting process"
+    assert parts["seconds"] > 0 and parts["peak_memory_measure"] == "max RSS of the process"
     # rank 0's resident set holds the float32 dense model (0.54 GB, shared by teacher and student) at least, and fits
     # this machine
     assert 1.0e9 < parts["peak_memory_bytes"] < 24 * 2 ** 30
@@ -352,7 +352,7 @@ def test_fsdp_two_processes_paused_and_resumed_match_one_process(stage2_one_proc
     row = next(line for line in resumed.stdout.splitlines() if "| gdn | 27 |" in line)
     minutes, peak_gib = (float(cell) for cell in row.strip().strip("|").split("|")[-2:])
     assert minutes >= round(parts["seconds"] / 60, 1) and peak_gib >= round(parts["peak_memory_bytes"] / 2 ** 30, 2)
-    assert "peak memory: max RSS of the converting process" in resumed.stdout
+    assert "peak memory: max RSS of the process" in resumed.stdout
     fsdp = load_file(out / "model.safetensors")
     assert one.keys() == fsdp.keys()
     worst = max((one[k] - fsdp[k]).abs().max().item() for k in one)

@@ -450,7 +450,7 @@ def test_select_command_prints_the_ranking_within_its_memory_bound(calib_data_di
         process = subprocess.run(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path, timeout=600)
     assert process.returncode == 0, err.read_text()[-3000:]
     printed = out.read_text()
-    cost = re.search(r"scoring cost: ([\d.]+) s \(.*\); peak memory ([\d.]+) GiB \(process peak RSS\)", printed)
+    cost = re.search(r"scoring cost: ([\d.]+) s \(.*\); peak memory ([\d.]+) GiB \(max RSS of the process\)", printed)
     assert cost and float(cost.group(1)) > 0
     peak_gib = float(cost.group(2))
     assert 0.5 < peak_gib < MEMORY_BOUND_GIB, f"peak RSS {peak_gib:.2f} GiB"  # above 0.5: the model alone is 0.58

@@ -86,8 +86,8 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
     import time
 
     from retrofit.convert.distill import TrainingPaused
-    from retrofit.memory import is_out_of_memory, out_of_memory
-    from retrofit.convert.parts import PartsSoFar, parts_so_far, process_peak_memory, record_parts
+    from retrofit.memory import is_out_of_memory, out_of_memory, peak_memory_so_far
+    from retrofit.convert.parts import PartsSoFar, parts_so_far, record_parts
     from retrofit.devices import is_first_process
     from retrofit.convert.pipeline import convert, plan
 
@@ -115,7 +115,7 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
                        max_minutes=max_minutes, device_memory=device_memory, **options)
     except TrainingPaused as paused:
         if is_first_process():
-            record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
+            record_parts(out, earlier.plus(time.time() - start, *peak_memory_so_far()))
         click.echo(f"retrofit: {paused}", err=True)
         raise SystemExit(3)
     except Exception as error:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
@@ -124,13 +124,13 @@ def convert_command(model, to, layers, data, tokens, out, recipe, seq_len, batch
         failure = out_of_memory(error, "converting")
     if failure is not None:  # outside the except: what the failed step held is free by now
         if is_first_process():
-            record_parts(out, earlier.plus(time.time() - start, *process_peak_memory()))
+            record_parts(out, earlier.plus(time.time() - start, *peak_memory_so_far()))
         raise stopped_out_of_memory(failure, out)
     if is_first_process():
         import json
 
         section = json.loads((path / "config.json").read_text())["retrofit"]
-        parts = earlier.plus(time.time() - start, *process_peak_memory())
+        parts = earlier.plus(time.time() - start, *peak_memory_so_far())
         click.echo("| hybrid | layer type | converted layers | tokens | minutes (all parts) | peak memory (GiB, "
                    "the largest part's) |")
         click.echo("|---|---|---|---:|---:|---:|")

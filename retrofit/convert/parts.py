@@ -8,8 +8,6 @@ import dataclasses
 import json
 import os
 
-import torch
-
 from retrofit.atomic import write_json
 from retrofit.convert.checkpoint import work_dir_for
 
@@ -46,15 +44,3 @@ def record_parts(out: str | os.PathLike, parts: PartsSoFar) -> None:
     work_dir = work_dir_for(out)
     if work_dir.is_dir():
         write_json(work_dir / PARTS_FILE, dataclasses.asdict(parts))
-
-
-def process_peak_memory() -> tuple[int, str]:
-    """``(bytes, measure)``: this process's peak memory so far. A process that used CUDA: the peak of tensors
-    allocated on its current device since the last reset of the statistics (the layer scorer resets them when it
-    starts, after the models are loaded, which stay allocated); otherwise the process's maximum resident set size."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        index = torch.cuda.current_device()
-        return int(torch.cuda.max_memory_allocated(index)), f"torch.cuda.max_memory_allocated(cuda:{index})"
-    from retrofit.devices import peak_rss_bytes
-
-    return peak_rss_bytes(), "max RSS of the converting process"

@@ -39,6 +39,7 @@ import torch
 from retrofit.convert.retrieval_probe import RetrievalScores
 from retrofit.convert.select_settings import SelectSettings
 from retrofit.errors import RetrofitError
+from retrofit.memory import peak_memory_so_far
 
 
 @dataclass
@@ -301,18 +302,8 @@ def rank_layers(dense, tokenizer, windows: torch.Tensor, data: list[str], layer_
                           device=device, show_progress=show_progress, aligned=aligned, retrieval=retrieval,
                           retrieval_weight=settings.retrieval_weight, copy_weight=settings.copy_weight,
                           seconds=seconds)
-    peak, kind = _peak_memory(device)
+    peak, kind = peak_memory_so_far(device)
     return Ranking(scores, retrieval, settings, seconds, peak, kind)
-
-
-def _peak_memory(device: torch.device) -> tuple[int, str]:
-    """(bytes, what they count): CUDA's peak allocation since the reset in :func:`rank_layers`, else the process's
-    peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "CUDA allocated"
-    from retrofit.devices import peak_rss_bytes
-
-    return peak_rss_bytes(), "process peak RSS"
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from retrofit.cliargs import parse_lengths
 from retrofit.convert.parts import PartsSoFar
 from retrofit.devices import peak_rss_bytes
 from retrofit.errors import RetrofitError
+from retrofit.memory import peak_memory_so_far
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.tasks import DATA_FILES, FILE_TASKS, EvalSettings, Job, build_jobs, resolve_task, task_data_files
 
@@ -206,12 +207,7 @@ def measure_conversion(device: torch.device) -> Iterator[ConversionCost]:
     yield cost
     cost.seconds = time.perf_counter() - began
     cost.peak_rss_bytes = peak_rss_bytes()
-    if device.type == "cuda":
-        cost.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-        cost.peak_memory_measure = f"torch.cuda.max_memory_allocated({device})"
-    else:
-        cost.peak_memory_bytes = cost.peak_rss_bytes
-        cost.peak_memory_measure = "max RSS of the converting process"
+    cost.peak_memory_bytes, cost.peak_memory_measure = peak_memory_so_far(device)
 
 
 def conversion_facts(out: Path, cost: ConversionCost, earlier: PartsSoFar, model: str, recipe: str | None,

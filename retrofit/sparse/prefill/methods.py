@@ -123,13 +123,15 @@ class XAttention(PrefillMethod):
         require(_integer(self.stride) and self.stride >= 1 and self.block_size % self.stride == 0, "stride",
                 self.stride, f"a divisor of block_size={self.block_size}")
 
-    def block_mass(self, query, key, grid, scale):
+    def runs(self, query: torch.Tensor, key: torch.Tensor, grid: BlockGrid) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimate's operands: query [B, Hq, T, D], key [B, Hkv, N, D] -> query runs [B, Hq, grid.rows * bs / S,
+        S * D] (each run read backwards, so that a run's product with a key run is their antidiagonal) and key runs
+        [B, Hkv, grid.key_blocks * bs / S, S * D], over whole blocks: positions outside the chunk, before a row's
+        ``kv_start`` or past the keys are zero."""
         B, Hq, T, D = query.shape
         Hkv, N = key.shape[1], key.shape[2]
         S, bs = self.stride, grid.block_size
-        per_block = bs // S
         start = grid.kv_start
-        # queries of whole query blocks (positions before the chunk or padding: zero rows), keys of whole key blocks
         first = grid.first_block * bs
         positions = torch.arange(first, first + grid.rows * bs, device=query.device)
         inside = (positions >= grid.q_offset) & (positions < grid.q_offset + T)
@@ -140,10 +142,15 @@ class XAttention(PrefillMethod):
         keys[:, :, :N] = key
         key_positions = torch.arange(grid.key_blocks * bs, device=query.device)
         keys = keys.masked_fill((key_positions[None, :] < start[:, None])[:, None, :, None], 0)
-        # antidiagonals: query run r read backwards, key run c forwards
         runs_q = queries.view(B, Hq, -1, S, D).flip(3).reshape(B, Hq, -1, S * D)
         runs_k = keys.view(B, Hkv, -1, S * D)
-        mass = antidiagonal_block_mass(runs_q, runs_k, start, per_block, S, first // S, grid.q_offset, T, scale / S)
+        return runs_q, runs_k
+
+    def block_mass(self, query, key, grid, scale):
+        S, bs = self.stride, grid.block_size
+        runs_q, runs_k = self.runs(query, key, grid)
+        mass = antidiagonal_block_mass(runs_q, runs_k, grid.kv_start, bs // S, S, grid.first_block * bs // S,
+                                       grid.q_offset, query.shape[2], scale / S)
         return _normalised(mass)
 
 
