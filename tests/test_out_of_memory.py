@@ -83,6 +83,25 @@ def test_batch_size_auto_halves_to_the_batch_that_fits_and_scores_as_that_fixed_
     assert "batch size (auto)" not in fixed.stdout  # a fixed batch is the user's own: no row for it
 
 
+def test_batch_size_auto_counts_the_blocks_of_the_batches_that_ran(batch_of_two_limit, tmp_path):
+    """Under a sparse prefill the share of blocks computed is that of the batches that ran: the calls of the refused
+    first attempts (8 and 4 rows, their prefill under way when memory ran out) are dropped with them, so auto reports
+    exactly what a fixed batch of 2 does."""
+    sparse = "prefill:xattention:block_size=32,min_length=0,threshold=0.5"
+    with allocations_capped_in(retrofit.eval.generation, "generate", limit=batch_of_two_limit) as caps:
+        auto = run(*PASSKEY, "--variant", sparse, "--json", str(tmp_path / "auto.json"))
+    assert auto.exit_code == 0, auto.output
+    assert [cap.raised for cap in caps][:2] == [1, 1] and sum(cap.raised for cap in caps) == 4  # dense's and sparse's
+    fixed = run(*PASSKEY, "--variant", sparse, "--batch-size", "2", "--json", str(tmp_path / "fixed.json"))
+    assert fixed.exit_code == 0, fixed.output
+    auto_json, fixed_json = (json.loads((tmp_path / name).read_text()) for name in ("auto.json", "fixed.json"))
+    assert auto_json["config"]["batch_sizes"]["prefill:xattention,block_size=32,min_length=0,threshold=0.5"] == {
+        "passkey@256": 2}
+    shares = [payload["prefill_blocks_computed"] for payload in (auto_json, fixed_json)]
+    assert 0 < next(iter(shares[1].values()))["passkey@256"] < 1
+    assert shares[0] == shares[1]  # equal, not close: the same calls pooled
+
+
 def test_eval_out_of_memory_is_one_line_and_writes_nothing(batch_of_two_limit, tmp_path):
     out = tmp_path / "eval.json"
     with allocations_capped_in(retrofit.eval.generation, "generate", limit=batch_of_two_limit):

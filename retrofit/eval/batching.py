@@ -110,10 +110,12 @@ class BatchSizes:
         per_row = row_bytes(model, shape) * self.scale.get(variant, 1.0)
         return max(1, min(ceiling, int(free * HEADROOM.get(device.type, 0.5) // per_row)))
 
-    def run(self, job, variant: str, model, tokenizer, throughput: Throughput):
+    def run(self, job, variant: str, model, tokenizer, throughput: Throughput, forget_attempt=None):
         """``job.run`` at this job's batch size: on running out of memory under ``auto``, the batch is halved and the
-        job runs again from its first item; a fixed batch (or auto at one row) that does not fit is an
-        :class:`~retrofit.memory.OutOfMemory` naming the variant, the job and the batch."""
+        job runs again from its first item (``forget_attempt()``, when given, is called first: what the failed
+        attempt recorded outside the job, a sparse prefill's calls, is dropped with it); a fixed batch (or auto at
+        one row) that does not fit is an :class:`~retrofit.memory.OutOfMemory` naming the variant, the job and the
+        batch."""
         shape = job.shape() if job.shape is not None else None
         batch = self.first_guess(model, variant, shape)
         device = model_device(model)
@@ -135,6 +137,8 @@ class BatchSizes:
                     failure.advice = "a shorter --context-length, --dtype bfloat16, or another --device"
                 raise failure
             batch //= 2
+            if forget_attempt is not None:
+                forget_attempt()
         throughput.add(attempt)
         self.chosen.setdefault(variant, {})[job.key] = batch
         if self.auto and shape is not None and probe.result.delta > 0:

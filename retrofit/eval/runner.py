@@ -78,7 +78,8 @@ def run_eval(model, tokenizer, jobs: list[Job], variants: list[Variant], batch_s
                     if variant.decode_only and job.prefill_only:  # no decode step: dense's numbers, by construction
                         outcome = dense_outcomes[job.key]
                     else:
-                        outcome = as_outcome(batches.run(job, variant.name, evaluated, tokenizer, throughput))
+                        outcome = as_outcome(batches.run(job, variant.name, evaluated, tokenizer, throughput,
+                                                         forget_attempt=None if prefill is None else prefill.take_calls))
                     if variant.name == "dense":
                         dense_outcomes[job.key] = outcome
                         results[job.key] = summarize(outcome)
