@@ -29,9 +29,9 @@ from retrofit.cliargs import parse_lengths
 from retrofit.convert.parts import PartsSoFar
 from retrofit.devices import peak_rss_bytes
 from retrofit.errors import RetrofitError
-from retrofit.memory import peak_memory_so_far
 from retrofit.eval.runner import EvalReport
 from retrofit.eval.tasks import DATA_FILES, FILE_TASKS, EvalSettings, Job, build_jobs, resolve_task, task_data_files
+from retrofit.memory import peak_memory_so_far
 
 DEFAULT_TASKS = ("piqa", "arc_easy")
 LONG_CONTEXT_TASKS = ("passkey", "niah_single")
