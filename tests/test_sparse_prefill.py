@@ -47,6 +47,26 @@ def test_grid_causal_and_kept_blocks():
     kept = grid.kept(sink_blocks=1, local_blocks=2)[:, 0]
     assert kept[0].tolist() == [[n == 0 or m - 2 < n <= m for n in range(7)] for m in range(3, 7)]
     assert kept[1].tolist() == [[n == 2 or m - 2 < n <= m for n in range(7)] for m in range(3, 7)]
+    # and every causal block of the call's last query blocks (query blocks 5 and 6 of this chunk's 3-6)
+    tail = grid.kept(sink_blocks=1, local_blocks=2, last_query_blocks=2)[:, 0]
+    assert tail.tolist() == [[row if m >= 5 else kept_row for row, kept_row, m in zip(causal[b].tolist(),
+                                                                                     kept[b].tolist(), range(3, 7))]
+                             for b in range(2)]
+
+
+def test_the_last_query_block_computes_every_causal_block():
+    """At a threshold and density that leave most blocks out, the chunk's last query block still computes all of its
+    causal blocks (the prompt's last position feeds the first generated token), the rows before it do not; with
+    last_query_blocks=0 the last row is chosen like the others."""
+    query, key, grid = _grid_inputs()
+    causal = grid.causal().expand(2, 6, grid.rows, grid.key_blocks)
+    with_tail = XAttention(block_size=16, stride=4, threshold=0.1, max_density=0.1).choose(query, key, grid, 0.3)
+    assert torch.equal(with_tail[:, :, -1], causal[:, :, -1])
+    assert (with_tail[:, :, :-1].sum() < causal[:, :, :-1].sum())
+    without = XAttention(block_size=16, stride=4, threshold=0.1, max_density=0.1,
+                         last_query_blocks=0).choose(query, key, grid, 0.3)
+    assert without[:, :, -1].sum() < causal[:, :, -1].sum()
+    assert torch.equal(without[:, :, :-1], with_tail[:, :, :-1])
 
 
 def test_choose_blocks_takes_the_largest_until_the_threshold():
@@ -168,6 +188,7 @@ def test_vertical_slash_mass_is_its_definition():
     ("xattention", {"block_size": "24"}, "block_size=24 is invalid"),
     ("xattention", {"stride": 5}, "stride=5 is invalid"),
     ("xattention", {"local_blocks": 0}, "local_blocks=0 is invalid"),
+    ("xattention", {"last_query_blocks": -1}, "last_query_blocks=-1 is invalid"),
     ("vertical_slash", {"last_queries": 0}, "last_queries=0 is invalid"),
     ("xattention", {"max_density": "2"}, "max_density=2.0 is invalid"),
     ("xattention", {"budget": 3}, "unknown parameter 'budget'"),

@@ -55,15 +55,16 @@ class BlockGrid:
         not_padding = (n + 1) * self.block_size > self.kv_start[:, None, None]  # [B, 1, nK]
         return ((n <= m)[None] & not_padding)[:, None]
 
-    def kept(self, sink_blocks: int, local_blocks: int) -> torch.Tensor:
+    def kept(self, sink_blocks: int, local_blocks: int, last_query_blocks: int = 0) -> torch.Tensor:
         """[B, 1, rows, key_blocks] bool: the blocks always computed: the first ``sink_blocks`` blocks of each row's
-        real tokens (the attention sinks) and the ``local_blocks`` blocks ending at the query block's own (the
-        diagonal), where causal."""
+        real tokens (the attention sinks), the ``local_blocks`` blocks ending at the query block's own (the
+        diagonal), and every block of the call's last ``last_query_blocks`` query blocks, where causal."""
         m, n = self._ids()
         sink = self.kv_start[:, None, None] // self.block_size
         sinks = (n >= sink) & (n < sink + sink_blocks)  # [B, 1, nK]
         local = (n <= m) & (n > m - local_blocks)  # [rows, nK]
-        return (sinks | local[None])[:, None] & self.causal()
+        last_rows = m >= self.first_block + self.rows - last_query_blocks  # [rows, 1]
+        return (sinks | (local | last_rows)[None])[:, None] & self.causal()
 
 
 def left_padding(attention_mask: torch.Tensor | None, batch: int, keys: int,

@@ -58,6 +58,8 @@ class PrefillMethod(ABC):
     every causal block, dense attention in what it returns); ``block_size``: positions per block (a power of two,
     at least 16); ``sink_blocks``: blocks from each row's first real token always computed (attention sinks);
     ``local_blocks``: blocks ending at the query block's own always computed (the diagonal and the ones before it);
+    ``last_query_blocks``: the call's last query blocks computed over every causal key block (the prompt's last
+    position is the one the first generated token is read from; decoding attends to every key);
     ``max_density``: at most this share of the causal blocks per query block (the sinks and local blocks always),
     e.g. to time a fixed density on random weights; ``min_length``: a call over fewer keys runs dense attention
     (default :data:`DEFAULT_MIN_LENGTH`, from a measurement: see :mod:`retrofit.prefill_defaults`).
@@ -67,6 +69,7 @@ class PrefillMethod(ABC):
     block_size: int = 128
     sink_blocks: int = 1
     local_blocks: int = 2
+    last_query_blocks: int = 1
     max_density: float = 1.0
     min_length: int = DEFAULT_MIN_LENGTH
     name: ClassVar[str] = ""
@@ -80,6 +83,8 @@ class PrefillMethod(ABC):
                 "a number of blocks >= 0")
         require(_integer(self.local_blocks) and self.local_blocks >= 1, "local_blocks", self.local_blocks,
                 "a number of blocks >= 1 (the diagonal block holds each query's own key)")
+        require(_integer(self.last_query_blocks) and self.last_query_blocks >= 0, "last_query_blocks",
+                self.last_query_blocks, "a number of query blocks >= 0")
         require(isinstance(self.max_density, (int, float)) and not isinstance(self.max_density, bool)
                 and 0 < self.max_density <= 1, "max_density", self.max_density, "a share in (0, 1]")
         require(_integer(self.min_length) and self.min_length >= 0, "min_length", self.min_length,
@@ -98,7 +103,7 @@ class PrefillMethod(ABC):
     def choose(self, query: torch.Tensor, key: torch.Tensor, grid: BlockGrid, scale: float) -> torch.Tensor:
         """The blocks to compute: [B, Hq, grid.rows, grid.key_blocks] bool (see :func:`.blocks.choose_blocks`)."""
         causal = grid.causal()
-        kept = grid.kept(self.sink_blocks, self.local_blocks)
+        kept = grid.kept(self.sink_blocks, self.local_blocks, self.last_query_blocks)
         B, Hq = query.shape[:2]
         if self.keeps_every_block:
             return causal.expand(B, Hq, grid.rows, grid.key_blocks).clone()
