@@ -31,10 +31,12 @@ def _block_sparse_prefill_kernel(
     stride_ib, stride_ih, stride_im,
     stride_cb, stride_ch, stride_start,
     Hq, T, N, D, q_offset, first_block, qk_scale,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    ROWS, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    bh = tl.program_id(1)
+    program = tl.program_id(0)
+    heads = tl.num_programs(0) // ROWS  # batch rows x query heads
+    bh = program % heads
+    row = ROWS - 1 - program // heads  # every head's last query block first: see the launch below
     b = (bh // Hq).to(tl.int64)
     h = bh % Hq
     hkv = h // GROUP
@@ -119,13 +121,16 @@ def sparse_prefill_attention_triton(
         # 128 x 128 tiles: 8 warps took 0.55-0.60x the time of Triton's default 4 on an H100 (Llama-3-8B's heads at
         # 8K-127K, 10-13% of the blocks: benchmarks/sparse_prefill_parts.py, 2026-12-07)
         num_warps = 8 if block_size >= 128 else 4
-    _block_sparse_prefill_kernel[(rows, B * Hq)](
+    # Every head's last query block starts first and the first block last: a row's key blocks grow with its
+    # position and the call's last row computes all of them (``last_query_blocks``), so launched first row first the
+    # longest rows would start last and run on alone after the rest (longest first keeps the GPU's SMs evenly busy).
+    _block_sparse_prefill_kernel[(rows * B * Hq,)](
         q, k, v, out, indices, counts, kv_start,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         indices.stride(0), indices.stride(1), indices.stride(2), counts.stride(0), counts.stride(1),
         kv_start.stride(0),
-        Hq, T, N, D, q_offset, q_offset // block_size, scale * _LOG2E,
+        Hq, T, N, D, q_offset, q_offset // block_size, scale * _LOG2E, rows,
         GROUP=Hq // Hkv, BLOCK=block_size, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
     return out
