@@ -283,9 +283,9 @@ def test_chosen_blocks_hold_the_attention(name, smollm2, batch, one_cpu_thread):
     generator = torch.Generator().manual_seed(0)
     held, held_at_random, computed, causal_blocks = [], [], 0, 0
 
-    def measuring_choose(self, query, key, grid, scale):
+    def measuring_choose(self, query, key, grid, scale, prompt_ends=True):
         nonlocal computed, causal_blocks
-        chosen = original_choose(self, query, key, grid, scale)
+        chosen = original_choose(self, query, key, grid, scale, prompt_ends)
         causal, kept = grid.causal(), grid.kept(self.sink_blocks, self.local_blocks)
         assert (chosen | ~kept).all()  # the kept blocks are always among the chosen
         order = torch.where(kept, 2.0, torch.where(causal, torch.rand(chosen.shape, generator=generator), -1.0))
@@ -320,6 +320,32 @@ def test_below_min_length_runs_dense_bit_for_bit(smollm2, batch, dense_run, one_
     assert torch.equal(logits, dense_run[0])
     assert len(prefill.calls) == 30 and not any(call.sparse for call in prefill.calls)
     assert set(blocks_computed(prefill.calls).values()) == {1.0}
+
+
+def test_only_the_prompts_last_chunk_computes_its_last_row_in_full(smollm2, batch, one_cpu_thread):
+    """retrofit.generate prefilling in chunks of 150 tokens (keys 150, 300, 420): the first two chunks compute exactly
+    the blocks they compute with last_query_blocks=0 (more chunks follow them: their last rows are rows like the
+    others), the prompt's last chunk more (its last row in full); and a forward call of its own, which the engine
+    does not mark, computes its last row in full too."""
+    model, _ = smollm2
+    ids, mask = batch
+    settings = dict(SETTINGS["xattention"], threshold=0.1, max_density=0.1)
+    computed = {}
+    for last_query_blocks in (1, 0):
+        with torch.no_grad(), sparse_prefill(model, "xattention", last_query_blocks=last_query_blocks,
+                                             **settings) as prefill:
+            retrofit.generate(model, ids, mask, max_new_tokens=2, prefill_chunk=150)
+            engine_calls = prefill.take_calls()
+            model(input_ids=ids, attention_mask=mask)
+            forward_calls = prefill.take_calls()
+        computed[last_query_blocks] = (
+            {keys: [call.computed for call in engine_calls if call.keys == keys] for keys in (150, 300, 420)},
+            sum(call.computed for call in forward_calls))
+    (chunks, forward), (chunks_without, forward_without) = computed[1], computed[0]
+    assert all(len(chunks[keys]) == 30 for keys in chunks)
+    assert chunks[150] == chunks_without[150] and chunks[300] == chunks_without[300]
+    assert all(with_row > without for with_row, without in zip(chunks[420], chunks_without[420]))
+    assert forward > forward_without
 
 
 def test_the_default_min_length_leaves_short_prompts_dense(smollm2, batch, dense_run):

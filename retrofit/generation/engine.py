@@ -42,7 +42,7 @@ from retrofit.model_info import attention_layout
 from retrofit.sparse.attention_functions import attention_function, mask_function_of
 from retrofit.sparse.cache import SparseLayer
 from retrofit.sparse.patch import SparseSession, active_session
-from retrofit.sparse.prefill.patch import own_implementation, prefill_or_dense
+from retrofit.sparse.prefill.patch import own_implementation, prefill_or_dense, prompt_continues
 from retrofit.static_cache import RingLayer, ring_selection, static_layers
 
 CAPACITY_QUANTUM = 256  # cache lengths are rounded up to a multiple of this: one graph per bucket, not per length
@@ -259,7 +259,8 @@ class StaticGeneration:
         for start in range(0, self.prompt_length, self.prefill_chunk):
             end = min(start + self.prefill_chunk, self.prompt_length)
             self.chunk_start, self.chunk_end = start, end
-            logits = self._forward(self.input_ids[:, start:end], positions[:, start:end], mask[:, :end])
+            with prompt_continues(self.model) if end < self.prompt_length else nullcontext():
+                logits = self._forward(self.input_ids[:, start:end], positions[:, start:end], mask[:, :end])
         self._commit(logits)
         if self.session is not None:  # e.g. ClusterKV clusters the prompt here, before the first decode step
             self.session.maintain(self.cache, written=self.prompt_length)

@@ -10,10 +10,10 @@ from retrofit.sparse.prefill.blocks import BlockGrid, block_lists, choose_blocks
 from retrofit.sparse.prefill.methods import (DEFAULT_MIN_LENGTH, MIN_LENGTH_HELP, PREFILL_METHODS, PrefillMethod,
                                              build_prefill_method)
 from retrofit.sparse.prefill.patch import (PrefillCall, SparsePrefill, active_prefill, blocks_computed,
-                                           own_implementation, prefill_layers, prefill_or_dense, routed_prefill,
-                                           share_computed, sparse_prefill)
+                                           own_implementation, prefill_layers, prefill_or_dense, prompt_continues,
+                                           routed_prefill, share_computed, sparse_prefill)
 
 __all__ = ["BlockGrid", "DEFAULT_MIN_LENGTH", "MIN_LENGTH_HELP", "PREFILL_METHODS", "PrefillCall", "PrefillMethod",
            "SparsePrefill", "active_prefill", "block_lists", "blocks_computed", "build_prefill_method", "choose_blocks",
-           "left_padding", "own_implementation", "prefill_layers", "prefill_or_dense", "routed_prefill",
-           "share_computed", "sparse_prefill"]
+           "left_padding", "own_implementation", "prefill_layers", "prefill_or_dense", "prompt_continues",
+           "routed_prefill", "share_computed", "sparse_prefill"]

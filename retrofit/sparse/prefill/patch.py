@@ -61,6 +61,23 @@ def prefill_or_dense(model: torch.nn.Module, implementation: str, module, query,
 
 
 @contextmanager
+def prompt_continues(model: torch.nn.Module) -> Iterator[None]:
+    """While open, the calls of ``model`` are a chunk of a prompt that more chunks follow (retrofit's engine opens
+    it around every chunk but the last): the open ``sparse_prefill``, if any, runs them without its method's
+    ``last_query_blocks``, which only the prompt's last position needs (the first new token is read there). Without
+    an open ``sparse_prefill`` it does nothing."""
+    prefill = _ACTIVE.get(model)
+    if prefill is None:
+        yield
+        return
+    prefill.more_chunks = True
+    try:
+        yield
+    finally:
+        prefill.more_chunks = False
+
+
+@contextmanager
 def routed_prefill(model: torch.nn.Module) -> Iterator[None]:
     """While open, a ``sparse_prefill`` opened on ``model`` installs no attention function of its own: the caller (a
     sparse decoding session) routes every multi-token attention call of the model through
@@ -122,6 +139,7 @@ class SparsePrefill:
         self.fallback = implementation_of(model)  # what the eligible layers' other calls and other layers run
         self.installed_as: str | None = None  # the private name of its attention function, when it installed one
         self.calls: list[PrefillCall] = []
+        self.more_chunks = False  # the calls now are a prompt chunk that more follow (:func:`prompt_continues`)
 
     def take_calls(self) -> list[PrefillCall]:
         """The calls recorded since the last take (and forget them)."""
@@ -152,7 +170,7 @@ class SparsePrefill:
         scale = kwargs.get("scaling")
         scale = D**-0.5 if scale is None else scale
         with use_backend(self.backend) if self.backend != "auto" else nullcontext():
-            indices, counts = block_lists(method.choose(query, key, grid, scale))
+            indices, counts = block_lists(method.choose(query, key, grid, scale, prompt_ends=not self.more_chunks))
             out = sparse_prefill_attention(query, key, value, indices, counts, kv_start, method.block_size,
                                            q_offset=grid.q_offset, scale=scale)
         self.calls.append(PrefillCall(module.layer_idx, T, N, int(counts.sum()), causal, sparse=True))
