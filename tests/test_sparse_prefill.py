@@ -52,6 +52,9 @@ def test_grid_causal_and_kept_blocks():
     assert tail.tolist() == [[row if m >= 5 else kept_row for row, kept_row, m in zip(causal[b].tolist(),
                                                                                      kept[b].tolist(), range(3, 7))]
                              for b in range(2)]
+    # a chunk that more chunks of the prompt follow keeps no row in full
+    continuing = BlockGrid(T=40, N=100, q_offset=60, block_size=16, kv_start=torch.tensor([0, 37]), ends_prompt=False)
+    assert torch.equal(continuing.kept(sink_blocks=1, local_blocks=2, last_query_blocks=2)[:, 0], kept)
 
 
 def test_the_last_query_block_computes_every_causal_block():
@@ -283,9 +286,9 @@ def test_chosen_blocks_hold_the_attention(name, smollm2, batch, one_cpu_thread):
     generator = torch.Generator().manual_seed(0)
     held, held_at_random, computed, causal_blocks = [], [], 0, 0
 
-    def measuring_choose(self, query, key, grid, scale, prompt_ends=True):
+    def measuring_choose(self, query, key, grid, scale):
         nonlocal computed, causal_blocks
-        chosen = original_choose(self, query, key, grid, scale, prompt_ends)
+        chosen = original_choose(self, query, key, grid, scale)
         causal, kept = grid.causal(), grid.kept(self.sink_blocks, self.local_blocks)
         assert (chosen | ~kept).all()  # the kept blocks are always among the chosen
         order = torch.where(kept, 2.0, torch.where(causal, torch.rand(chosen.shape, generator=generator), -1.0))

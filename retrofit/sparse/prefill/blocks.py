@@ -21,13 +21,15 @@ from retrofit.kernels.sparse_prefill import query_block_count
 @dataclass(frozen=True)
 class BlockGrid:
     """Blocks of one prefill call: ``T`` queries from position ``q_offset`` over ``N`` keys, ``kv_start [B]`` (long,
-    on the queries' device) the first valid key of each row, blocks of ``block_size`` positions."""
+    on the queries' device) the first valid key of each row, blocks of ``block_size`` positions; ``ends_prompt``
+    False for a chunk of a prompt that more chunks follow (:func:`.patch.prompt_continues`)."""
 
     T: int
     N: int
     q_offset: int
     block_size: int
     kv_start: torch.Tensor
+    ends_prompt: bool = True
 
     @property
     def first_block(self) -> int:
@@ -58,12 +60,14 @@ class BlockGrid:
     def kept(self, sink_blocks: int, local_blocks: int, last_query_blocks: int = 0) -> torch.Tensor:
         """[B, 1, rows, key_blocks] bool: the blocks always computed: the first ``sink_blocks`` blocks of each row's
         real tokens (the attention sinks), the ``local_blocks`` blocks ending at the query block's own (the
-        diagonal), and every block of the call's last ``last_query_blocks`` query blocks, where causal."""
+        diagonal), and every block of the call's last ``last_query_blocks`` query blocks when the call ends the prompt
+        (the first new token is read from its last position), where causal."""
         m, n = self._ids()
         sink = self.kv_start[:, None, None] // self.block_size
         sinks = (n >= sink) & (n < sink + sink_blocks)  # [B, 1, nK]
         local = (n <= m) & (n > m - local_blocks)  # [rows, nK]
-        last_rows = m >= self.first_block + self.rows - last_query_blocks  # [rows, 1]
+        full_rows = last_query_blocks if self.ends_prompt else 0
+        last_rows = m >= self.first_block + self.rows - full_rows  # [rows, 1]
         return (sinks | (local | last_rows)[None])[:, None] & self.causal()
 
 

@@ -59,8 +59,8 @@ class PrefillMethod(ABC):
     at least 16); ``sink_blocks``: blocks from each row's first real token always computed (attention sinks);
     ``local_blocks``: blocks ending at the query block's own always computed (the diagonal and the ones before it);
     ``last_query_blocks``: the call's last query blocks computed over every causal key block (the prompt's last
-    position is the one the first generated token is read from; decoding attends to every key); not in the calls of
-    a prompt's chunks that more chunks follow (:func:`.patch.prompt_continues`, as retrofit's engine runs them);
+    position is the one the first generated token is read from; decoding attends to every key), in the call that
+    ends the prompt only (``BlockGrid.ends_prompt``: retrofit's engine marks the chunks that more follow);
     ``max_density``: at most this share of the causal blocks per query block (the sinks and local blocks always),
     e.g. to time a fixed density on random weights; ``min_length``: a call over fewer keys runs dense attention
     (default :data:`DEFAULT_MIN_LENGTH`, from a measurement: see :mod:`retrofit.prefill_defaults`).
@@ -101,13 +101,10 @@ class PrefillMethod(ABC):
         the attention receives it), key [B, Hkv, N, D] -> [B, Hq, grid.rows, grid.key_blocks] fp32, each row summing
         to 1 over its causal blocks (or 0 where it has none); values outside the causal blocks are ignored."""
 
-    def choose(self, query: torch.Tensor, key: torch.Tensor, grid: BlockGrid, scale: float,
-               prompt_ends: bool = True) -> torch.Tensor:
-        """The blocks to compute: [B, Hq, grid.rows, grid.key_blocks] bool (see :func:`.blocks.choose_blocks`).
-        ``prompt_ends`` False: more chunks of the prompt follow this call, whose last query blocks then need no more
-        than the others (``last_query_blocks`` not applied)."""
+    def choose(self, query: torch.Tensor, key: torch.Tensor, grid: BlockGrid, scale: float) -> torch.Tensor:
+        """The blocks to compute: [B, Hq, grid.rows, grid.key_blocks] bool (see :func:`.blocks.choose_blocks`)."""
         causal = grid.causal()
-        kept = grid.kept(self.sink_blocks, self.local_blocks, self.last_query_blocks if prompt_ends else 0)
+        kept = grid.kept(self.sink_blocks, self.local_blocks, self.last_query_blocks)
         B, Hq = query.shape[:2]
         if self.keeps_every_block:
             return causal.expand(B, Hq, grid.rows, grid.key_blocks).clone()

@@ -162,7 +162,7 @@ class SparsePrefill:
         if kv_start is None:  # not causal attention over left-padded rows ending at the chunk: not ours to cut
             return dense_attention(fallback, module, query, key, value, attention_mask, **kwargs)
         method = self.method
-        grid = BlockGrid(T, N, N - T, method.block_size, kv_start)
+        grid = BlockGrid(T, N, N - T, method.block_size, kv_start, ends_prompt=not self.more_chunks)
         causal = int(grid.causal().sum()) * Hq
         if N < method.min_length:
             self.calls.append(PrefillCall(module.layer_idx, T, N, causal, causal, sparse=False))
@@ -170,7 +170,7 @@ class SparsePrefill:
         scale = kwargs.get("scaling")
         scale = D**-0.5 if scale is None else scale
         with use_backend(self.backend) if self.backend != "auto" else nullcontext():
-            indices, counts = block_lists(method.choose(query, key, grid, scale, prompt_ends=not self.more_chunks))
+            indices, counts = block_lists(method.choose(query, key, grid, scale))
             out = sparse_prefill_attention(query, key, value, indices, counts, kv_start, method.block_size,
                                            q_offset=grid.q_offset, scale=scale)
         self.calls.append(PrefillCall(module.layer_idx, T, N, int(counts.sum()), causal, sparse=True))
